@@ -1,0 +1,270 @@
+"""Host side of every collective: staging layout, segment lists, launches.
+
+The C++ backend (``torch_tdist._C.ProcessGroupTDist``) validates arguments, counts calls and
+hands each served op to an :class:`Executor` method of the same name as torch.distributed's
+function. Every op is the publish/pull pair of ``triton_kernels/staged.py``.
+"""
+
+from datetime import timedelta
+
+import torch
+import triton.language as tl
+
+from . import language
+from .heap import SymmetricHeap, heap_options
+from .triton_kernels import staged
+
+BLOCK = 8192 if language.INTERPRET else 2048
+PROGRAMS = 1 if language.INTERPRET else 64
+
+_ACCUMULATOR = {
+    torch.float16: tl.float32,
+    torch.bfloat16: tl.float32,
+    torch.float32: tl.float32,
+    torch.float64: tl.float64,
+    torch.int32: tl.int32,
+    torch.int64: tl.int64,
+}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().view(-1)
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+class _Output:
+    """A flat contiguous buffer to write an op's result into, copied out at the end."""
+
+    def __init__(self, targets: list[torch.Tensor]):
+        self.targets = targets
+        if len(targets) == 1 and targets[0].is_contiguous():
+            self.flat = _flat(targets[0])
+        else:
+            total = sum(t.numel() for t in targets)
+            self.flat = _flat(torch.empty(total, dtype=targets[0].dtype, device=targets[0].device))
+
+    def finish(self):
+        if len(self.targets) == 1 and self.targets[0].is_contiguous():
+            return
+        start = 0
+        for t in self.targets:
+            chunk = self.flat[start:start + t.numel()]
+            t.copy_(chunk.view(t.dtype if t.dtype != torch.bool else torch.uint8).view(t.shape))
+            start += t.numel()
+
+
+class Executor:
+    """Runs one process group's collectives on its symmetric heap (created on first use)."""
+
+    served_devices = ["cpu"] if language.INTERPRET else []
+
+    def __init__(self, store, rank: int, world_size: int, timeout: timedelta, options=None):
+        self.transport, self.heap_bytes = heap_options(options)
+        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self._heap = None
+        self._epoch = 0
+
+    # ---- state -------------------------------------------------------------------------
+    def _ensure_heap(self):
+        if self._heap is not None:
+            return
+        heap = SymmetricHeap(self.store, self.rank, self.world_size, self.heap_bytes, self.timeout)
+        world = self.world_size
+        self._signals = heap.empty(staged.signal_slots(world), torch.int64)
+        self._header = heap.empty(2 * world, torch.int64)
+        self._stage_offset = heap.alloc(0)
+        self._stage_bytes = heap.nbytes - self._stage_offset
+        self._empty_header = torch.zeros(1, dtype=torch.int64)
+        self._heap = heap
+
+    @property
+    def heap(self) -> SymmetricHeap:
+        self._ensure_heap()
+        return self._heap
+
+    def _stage(self, dtype: torch.dtype, numel: int, op: str) -> torch.Tensor:
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if size > self._stage_bytes:
+            raise ValueError(
+                f"tdist {op}: {size} bytes to stage but the symmetric heap holds {self._stage_bytes}; "
+                f"raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._heap.view(self._stage_offset, (self._stage_bytes // itemsize,), dtype)
+
+    def _begin(self) -> int:
+        self._ensure_heap()
+        self._epoch += 1
+        return self._epoch
+
+    # ---- the two phases ----------------------------------------------------------------
+    def _publish(self, op: str, epoch: int, src: torch.Tensor, header: torch.Tensor | None = None):
+        stage = self._stage(src.dtype, src.numel(), op)
+        hdr_src = self._empty_header if header is None else header
+        self._launch(op, staged.publish_kernel, (PROGRAMS,),
+                     self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
+                     0 if header is None else header.numel(), self._signals, epoch,
+                     WORLD=self.world_size, BLOCK=BLOCK)
+
+    def _pull_copy(self, op: str, epoch: int, out: torch.Tensor, segments, from_header=False):
+        segments = list(segments) or [(self.rank, 0, 0, 0)]  # still signals done
+        segs = torch.tensor(segments, dtype=torch.int64, device=out.device)
+        stage = self._stage(out.dtype, 0, op)
+        self._launch(op, staged.pull_copy_kernel, (PROGRAMS, len(segments)),
+                     self._heap.ctx, stage, self._header, out, segs, self._signals, epoch,
+                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header)
+        if from_header:
+            self._check_status(op)
+
+    def _pull_reduce(self, op: str, epoch: int, out: torch.Tensor, src_offset: int, n: int, reduce_op: str):
+        stage = self._stage(out.dtype, 0, op)
+        self._launch(op, staged.pull_reduce_kernel, (PROGRAMS,),
+                     self._heap.ctx, stage, out, src_offset, n, self._signals, epoch,
+                     WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
+
+    def _launch(self, op: str, kernel, grid, *args, **meta):
+        try:
+            kernel[grid](*args, **meta)
+        except Exception as err:
+            cause = err
+            while cause is not None and not isinstance(cause, language.PeerTimeoutError):
+                cause = cause.__cause__
+            if cause is not None:
+                raise TimeoutError(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
+            raise
+
+    def _check_status(self, op: str):
+        status_slot = self._signals[2 * self.world_size + 2:]
+        status = int(status_slot[0])
+        if status != staged.STATUS_OK:
+            status_slot.zero_()
+            raise ValueError(
+                f"tdist {op}: a peer sends this rank a different number of elements than this "
+                f"rank's output sizes expect (split sizes must agree across ranks)")
+
+    # ---- the collectives (names as in torch.distributed) ---------------------------------
+    def all_gather_into_tensor(self, output, input):
+        self._gather_to_all("all_gather_into_tensor", [output], input)
+
+    def all_gather(self, outputs, input):
+        self._gather_to_all("all_gather", list(outputs), input)
+
+    def _gather_to_all(self, op, targets, input):
+        epoch = self._begin()
+        src = _flat(input)
+        self._publish(op, epoch, src)
+        out = _Output(targets)
+        n = src.numel()
+        order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
+        self._pull_copy(op, epoch, out.flat, [(p, 0, p * n, n) for p in order])
+        out.finish()
+
+    def reduce_scatter_tensor(self, output, input, op):
+        self._reduce_scatter("reduce_scatter_tensor", output, _flat(input), op)
+
+    def reduce_scatter(self, output, inputs, op):
+        self._reduce_scatter("reduce_scatter", output, torch.cat([_flat(t) for t in inputs]), op)
+
+    def _reduce_scatter(self, name, output, src, reduce_op):
+        epoch = self._begin()
+        self._publish(name, epoch, src)
+        out = _Output([output])
+        n = output.numel()
+        self._pull_reduce(name, epoch, out.flat, self.rank * n, n, reduce_op)
+        out.finish()
+
+    def all_reduce(self, tensor, op):
+        self._reduce("all_reduce", tensor, op, dst=None)
+
+    def reduce(self, tensor, dst, op):
+        self._reduce("reduce", tensor, op, dst=dst)
+
+    def _reduce(self, name, tensor, reduce_op, dst):
+        epoch = self._begin()
+        src = _flat(tensor)
+        self._publish(name, epoch, src)
+        out = _Output([tensor])
+        n = src.numel() if dst is None or dst == self.rank else 0
+        self._pull_reduce(name, epoch, out.flat, 0, n, reduce_op)
+        if n:
+            out.finish()
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes):
+        rows_in, rows_out = max(input.shape[0], 1), max(output.shape[0], 1)
+        row_in = input.numel() // rows_in if input.shape[0] else _row_numel(input)
+        row_out = output.numel() // rows_out if output.shape[0] else _row_numel(output)
+        self._exchange("all_to_all_single", [output], [row_out * s for s in output_split_sizes],
+                       _flat(input), [row_in * s for s in input_split_sizes])
+
+    def all_to_all(self, outputs, inputs):
+        src = torch.cat([_flat(t) for t in inputs]) if inputs else torch.empty(0)
+        self._exchange("all_to_all", list(outputs), [t.numel() for t in outputs],
+                       src, [t.numel() for t in inputs])
+
+    def _exchange(self, op, targets, recv_counts, src, send_counts):
+        epoch = self._begin()
+        send_offsets = _offsets(send_counts)
+        header = torch.tensor(send_offsets + send_counts, dtype=torch.int64)
+        self._publish(op, epoch, src, header)
+        out = _Output(targets)
+        recv_offsets = _offsets(recv_counts)
+        order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
+        self._pull_copy(op, epoch, out.flat,
+                        [(p, 0, recv_offsets[p], recv_counts[p]) for p in order], from_header=True)
+        out.finish()
+
+    def broadcast(self, tensor, src):
+        epoch = self._begin()
+        if self.rank == src:
+            self._publish("broadcast", epoch, _flat(tensor))
+            self._pull_copy("broadcast", epoch, _flat(tensor), [])
+            return
+        out = _Output([tensor])
+        self._pull_copy("broadcast", epoch, out.flat, [(src, 0, 0, tensor.numel())])
+        out.finish()
+
+    def scatter(self, output, inputs, src):
+        epoch = self._begin()
+        if self.rank == src:
+            self._publish("scatter", epoch, torch.cat([_flat(t) for t in inputs]))
+        out = _Output([output])
+        n = output.numel()
+        self._pull_copy("scatter", epoch, out.flat, [(src, self.rank * n, 0, n)])
+        out.finish()
+
+    def gather(self, outputs, input, dst):
+        epoch = self._begin()
+        src = _flat(input)
+        self._publish("gather", epoch, src)
+        if self.rank != dst:
+            self._pull_copy("gather", epoch, src, [])
+            return
+        out = _Output(list(outputs))
+        n = src.numel()
+        self._pull_copy("gather", epoch, out.flat, [(p, 0, p * n, n) for p in range(self.world_size)])
+        out.finish()
+
+    def barrier(self):
+        epoch = self._begin()
+        nothing = torch.empty(0, dtype=torch.uint8)
+        self._publish("barrier", epoch, nothing)
+        self._pull_copy("barrier", epoch, nothing, [(p, 0, 0, 0) for p in range(self.world_size)])
+
+    def close(self):
+        if self._heap is not None:
+            self._heap.close()
+            self._heap = None
+
+
+def _offsets(counts):
+    offsets, total = [], 0
+    for c in counts:
+        offsets.append(total)
+        total += c
+    return offsets
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n

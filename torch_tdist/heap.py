@@ -1,0 +1,173 @@
+"""The symmetric heap: one per process group, the same layout on every rank.
+
+Every rank allocates the same sequence of buffers, so an offset names the same buffer on
+every rank. Each rank maps every peer's heap; ``bases[p]`` is where peer ``p``'s heap sits in
+this process, and kernels translate pointers through it (see ``torch_tdist.language``).
+
+Transports: ``shm`` (CPU: POSIX shared memory, one segment per rank). The GPU transports
+(``cuda``: CUDA IPC, ``nvshmem``) are named here so the option is validated in one place.
+"""
+
+import mmap
+import os
+import re
+import secrets
+from datetime import timedelta
+
+import torch
+
+from . import language
+
+TRANSPORTS = ("auto", "shm", "cuda", "nvshmem")
+DEFAULT_HEAP_BYTES = 64 << 20
+SHM_DIR = "/dev/shm"
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, what: str = "TDIST_HEAP_SIZE") -> int:
+    """Bytes from ``"268435456"``, ``"256M"``, ``"256MiB"``, ``"1g"``..."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(
+            f"tdist: {what}={text!r} is not a heap size; expected a positive number of bytes "
+            f"such as 268435456, 256M or 1G")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def heap_options(options=None) -> tuple[str, int]:
+    """(transport, heap bytes) from the backend options or TDIST_TRANSPORT / TDIST_HEAP_SIZE."""
+    options = options or {}
+    transport = str(options.get("transport") or os.environ.get("TDIST_TRANSPORT") or "auto").lower()
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"tdist: unknown transport {transport!r} (TDIST_TRANSPORT or the backend option "
+            f"'transport'); expected one of {', '.join(TRANSPORTS)}")
+    size = options.get("heap_size") or os.environ.get("TDIST_HEAP_SIZE")
+    nbytes = DEFAULT_HEAP_BYTES if size is None else parse_size(size)
+    return transport, nbytes
+
+
+def resolve_transport(transport: str, device_type: str) -> str:
+    if device_type == "cpu":
+        if transport not in ("auto", "shm"):
+            raise ValueError(f"tdist: transport {transport!r} cannot serve CPU tensors; use 'shm'")
+        return "shm"
+    raise ValueError(f"tdist: no symmetric-heap transport for {device_type} tensors in this build")
+
+
+class _ShmSegment:
+    """One POSIX shared-memory segment mapped into this process."""
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        flags = os.O_RDWR | os.O_NOFOLLOW | ((os.O_CREAT | os.O_EXCL) if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            elif os.fstat(fd).st_size != nbytes:
+                raise ValueError(f"tdist: shared-memory segment {path} has the wrong size")
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int) -> "_ShmSegment":
+        path = os.path.join(SHM_DIR, f"tdist-{secrets.token_hex(16)}")
+        try:
+            return cls(path, nbytes, create=True)
+        except BaseException:
+            _unlink(path)
+            raise
+
+    @property
+    def address(self) -> int:
+        return self.bytes.data_ptr()
+
+    def close(self):
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # views handed out still hold it; the mapping goes with the last of them
+
+
+def _unlink(path: str):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class SymmetricHeap:
+    """This rank's view of a group's symmetric heap.
+
+    ``bases``: int64 tensor, peer heap base addresses as mapped here. ``ctx``: the context
+    tensor every tdist kernel takes first (layout in ``torch_tdist.language``).
+    """
+
+    _generation = 0
+
+    def __init__(self, store, rank: int, world_size: int, nbytes: int,
+                 timeout: timedelta = timedelta(minutes=10), device: str = "cpu"):
+        if resolve_transport("auto", torch.device(device).type) != "shm":
+            raise AssertionError("only the shm transport is implemented")
+        self.rank, self.world_size, self.nbytes = rank, world_size, nbytes
+        self.device = torch.device(device)
+        SymmetricHeap._generation += 1
+        key = f"tdist_heap/{SymmetricHeap._generation}"
+        own = _ShmSegment.create(nbytes)
+        try:
+            store.set(f"{key}/name/{rank}", os.path.basename(own.path))
+            self._segments = [
+                own if peer == rank else _ShmSegment(
+                    os.path.join(SHM_DIR, store.get(f"{key}/name/{peer}").decode()), nbytes, create=False)
+                for peer in range(world_size)
+            ]
+            store.set(f"{key}/mapped/{rank}", "1")
+            store.wait([f"{key}/mapped/{peer}" for peer in range(world_size)])
+        finally:
+            _unlink(own.path)  # every peer has it mapped (or we are failing): nothing stays in /dev/shm
+        self.bases = torch.tensor([s.address for s in self._segments], dtype=torch.int64)
+        self.ctx = torch.zeros(language.CTX_BASES + world_size, dtype=torch.int64)
+        self.ctx[language.CTX_RANK] = rank
+        self.ctx[language.CTX_WORLD] = world_size
+        self.ctx[language.CTX_TIMEOUT_MS] = int(timeout.total_seconds() * 1000)
+        self.ctx[language.CTX_BASES:] = self.bases
+        self._top = 0
+
+    def alloc(self, nbytes: int, align: int = 256) -> int:
+        """Reserve ``nbytes`` and return their offset; every rank must make the same calls."""
+        offset = -(-self._top // align) * align
+        if offset + nbytes > self.nbytes:
+            raise MemoryError(
+                f"tdist: symmetric heap exhausted: {nbytes} bytes asked, {self.nbytes - offset} "
+                f"of {self.nbytes} left; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        self._top = offset + nbytes
+        return offset
+
+    def view(self, offset: int, shape, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:
+        """A tensor over heap bytes at ``offset`` (of ``peer``'s heap, default this rank's)."""
+        seg = self._segments[self.rank if peer is None else peer]
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        return seg.bytes[offset:offset + nbytes].view(dtype).view(shape)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new symmetric tensor: the same offset on every rank (contents undefined)."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        count = 1
+        for d in shape:
+            count *= d
+        offset = self.alloc(count * torch.empty((), dtype=dtype).element_size())
+        return self.view(offset, tuple(shape), dtype)
+
+    def close(self):
+        for seg in self._segments:
+            seg.close()
+        self._segments = []

@@ -1,0 +1,196 @@
+"""Device-side primitives for kernels that talk to peers through the symmetric heap.
+
+Every kernel gets one ``ctx`` argument: the group's context tensor (``heap.ctx``), int64 on
+the group's device. Its layout (``CTX_*`` below) carries this rank, the world size, the wait
+timeout and each peer's heap base address as mapped into this process, so pointer
+translation is ``remote = base[peer] + (ptr - base[rank])`` (the Iris scheme).
+
+Names follow Triton-distributed's where they mean the same thing (``rank``, ``num_ranks``,
+``symm_at``, ``wait``, ``notify``, ``consume_token``, ``putmem_block``/``getmem_block``), with
+``ctx`` as the first argument because stock Triton has no per-kernel global state.
+
+The same source runs compiled on a GPU and under the Triton interpreter on the CPU, one
+process per rank, peers' memory reached through shared-memory mappings. Decorate kernels
+with :func:`jit` (not ``triton.jit``) so the choice is made once, here.
+"""
+
+import operator
+import os
+import time
+
+import triton
+import triton.language as tl
+
+CTX_RANK = 0
+CTX_WORLD = 1
+CTX_TIMEOUT_MS = 2
+CTX_BASES = 8
+
+
+def _decide_interpret() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TDIST_INTERPRET") == "1":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+INTERPRET = _decide_interpret()
+"""True when kernels run under the Triton interpreter (no GPU, or TDIST_INTERPRET=1)."""
+
+
+if INTERPRET:
+    from triton.runtime.interpreter import GridExecutor, InterpretedFunction
+
+    class _InPlaceGridExecutor(GridExecutor):
+        # The stock executor copies every tensor argument's storage back onto itself after
+        # the launch. For symmetric memory that write-back would overwrite whatever peers
+        # stored into it meanwhile (a signal, a put), so CPU arguments are used in place.
+        def _restore_args_dev(self, args_dev, args_hst, kwargs, kwargs_hst):
+            tensors = [a for a in list(args_dev) + list(kwargs.values()) if hasattr(a, "data_ptr")]
+            if any(t.device.type != "cpu" for t in tensors):
+                super()._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
+
+    class _InPlaceInterpretedFunction(InterpretedFunction):
+        def run(self, *args, grid, warmup, **kwargs):
+            if warmup:
+                return
+            fn = self.rewrite()
+            return _InPlaceGridExecutor(fn, self.arg_names, grid, self.pre_run_hooks)(*args, **kwargs)
+
+    def jit(fn=None, **kwargs):
+        """``triton.jit`` for tdist kernels: interpreted on the CPU, compiled on GPUs."""
+        if fn is None:
+            return lambda f: _InPlaceInterpretedFunction(f, **kwargs)
+        return _InPlaceInterpretedFunction(fn, **kwargs)
+
+else:
+    jit = triton.jit
+
+
+class PeerTimeoutError(TimeoutError):
+    """A wait() in a kernel saw no signal from a peer within the group's timeout."""
+
+
+@jit
+def rank(ctx):
+    return tl.load(ctx + CTX_RANK).to(tl.int32)
+
+
+@jit
+def num_ranks(ctx):
+    return tl.load(ctx + CTX_WORLD).to(tl.int32)
+
+
+@jit
+def symm_at(ctx, ptr, peer):
+    """The address of the symmetric object ``ptr`` (in this rank's heap) on ``peer``."""
+    my_base = tl.load(ctx + CTX_BASES + rank(ctx))
+    peer_base = tl.load(ctx + CTX_BASES + peer)
+    return (ptr.to(tl.int64, bitcast=True) - my_base + peer_base).to(ptr.dtype, bitcast=True)
+
+
+@jit
+def load(ctx, ptr, peer, mask=None, other=None):
+    return tl.load(symm_at(ctx, ptr, peer), mask=mask, other=other)
+
+
+@jit
+def store(ctx, ptr, value, peer, mask=None):
+    tl.store(symm_at(ctx, ptr, peer), value, mask=mask)
+
+
+@jit
+def atomic_add(ctx, ptr, value, peer, sem: tl.constexpr = "acq_rel"):
+    return tl.atomic_add(symm_at(ctx, ptr, peer), value, sem=sem, scope="sys")
+
+
+@jit
+def atomic_cas(ctx, ptr, cmp, value, peer, sem: tl.constexpr = "acq_rel"):
+    return tl.atomic_cas(symm_at(ctx, ptr, peer), cmp, value, sem=sem, scope="sys")
+
+
+@jit
+def atomic_xchg(ctx, ptr, value, peer, sem: tl.constexpr = "acq_rel"):
+    return tl.atomic_xchg(symm_at(ctx, ptr, peer), value, sem=sem, scope="sys")
+
+
+@jit
+def notify(ctx, sig, peer, value, op: tl.constexpr = "set"):
+    """Release: everything this program stored before is visible to ``peer`` once it sees ``value``.
+
+    ``sig`` is an int64 slot in this rank's heap; the slot of the same offset on ``peer`` is
+    written. ``op`` is "set" (store ``value``) or "add".
+    """
+    if op == "add":
+        tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
+    else:
+        tl.atomic_xchg(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
+
+
+if INTERPRET:
+
+    @jit
+    def wait(ctx, sig, value):
+        """Acquire: spin until the local int64 slot ``sig`` holds ``value`` or more.
+
+        Signals carry epochs that only grow, so ``>=`` never misses a signal that came early.
+        Under the interpreter the spin sleeps between polls (ranks share few cores) and gives
+        up after the group's timeout.
+        """
+        timeout_s = operator.index(tl.load(ctx + CTX_TIMEOUT_MS)) / 1000.0
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0
+        while True:
+            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            if seen >= value:
+                return seen
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"tdist: no signal from a peer after {timeout_s:.1f} s "
+                    f"(waited for epoch {operator.index(value)}, saw {operator.index(seen)})")
+            time.sleep(pause)
+            pause = min(pause * 2 + 1e-5, 1e-3)
+
+else:
+
+    @jit
+    def wait(ctx, sig, value):
+        """Acquire: spin until the local int64 slot ``sig`` holds ``value`` or more.
+
+        Signals carry epochs that only grow, so ``>=`` never misses a signal that came early.
+        """
+        seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+        while seen < value:
+            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+        return seen
+
+
+@jit
+def consume_token(value, token):
+    """Orders ``value`` (usually a pointer) after the wait that returned ``token``.
+
+    The acquire in :func:`wait` already orders later loads; this keeps kernels written for
+    Triton-distributed portable.
+    """
+    return value
+
+
+@jit
+def putmem_block(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """This program copies ``n`` elements from local ``src`` to symmetric ``dst`` on ``peer``."""
+    remote = symm_at(ctx, dst, peer)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(remote + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@jit
+def getmem_block(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """This program copies ``n`` elements from symmetric ``src`` on ``peer`` to local ``dst``."""
+    remote = symm_at(ctx, src, peer)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(remote + offs, mask=mask), mask=mask)

@@ -1,0 +1,145 @@
+"""Collectives over a staging buffer in the symmetric heap: publish, then pull.
+
+Every collective is two launches on every rank:
+
+1. ``publish_kernel``: wait until every peer finished reading this rank's staging buffer in
+   the previous collective (``done[p] >= epoch - 1``), copy the local input (and a small int64
+   header) into the staging buffer, then tell every peer it is ready (``ready[me] = epoch``).
+2. ``pull_copy_kernel`` / ``pull_reduce_kernel``: wait for the peers whose data is needed,
+   read their staging buffers through pointer translation and write (or reduce into) the
+   local output, then tell every peer this rank is done reading (``done[me] = epoch``).
+
+Signals hold the group's epoch, which only grows (compared with ``>=``), so nothing is ever
+reset between collectives. The last program of a launch to arrive at the ``arrive`` counter
+sends the signals, so the launch may have any number of programs, and no program waits on
+a later program of its own launch (which the interpreter, running programs one by one,
+could never satisfy).
+
+Signal block layout (int64, one block per group, same offset on every rank):
+``ready[WORLD] | done[WORLD] | arrive[2] | status[1]``.
+"""
+
+import triton.language as tl
+
+from torch_tdist import language as tdl
+
+# status codes a pull kernel leaves in the status slot for the host to report
+STATUS_OK = 0
+STATUS_SIZE_MISMATCH = 1
+
+
+def signal_slots(world: int) -> int:
+    return 2 * world + 3
+
+
+@tdl.jit
+def _arrive_last(sig, ARRIVE: tl.constexpr):
+    """True in exactly one program of the launch: the last one to get here."""
+    nprog = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(sig + ARRIVE, 1, sem="acq_rel", scope="gpu")
+    last = arrived == nprog - 1
+    if last:
+        tl.atomic_xchg(sig + ARRIVE, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@tdl.jit
+def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, epoch,
+                   WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tdl.rank(ctx)
+    for p in tl.static_range(WORLD):
+        tdl.wait(ctx, sig + WORLD + p, epoch - 1)
+    if pid == 0:
+        for start in range(0, n_hdr, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n_hdr
+            tl.store(hdr + offs, tl.load(hdr_src + offs, mask=mask), mask=mask)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(stage + offs, tl.load(src + offs, mask=mask), mask=mask)
+    if _arrive_last(sig, 2 * WORLD):
+        for p in tl.static_range(WORLD):
+            tdl.notify(ctx, sig + me, p, epoch)
+
+
+@tdl.jit
+def _finish_pull(ctx, sig, epoch, WORLD: tl.constexpr):
+    if _arrive_last(sig, 2 * WORLD + 1):
+        me = tdl.rank(ctx)
+        for p in tl.static_range(WORLD):
+            tdl.notify(ctx, sig + WORLD + me, p, epoch)
+
+
+@tdl.jit
+def pull_copy_kernel(ctx, stage, hdr, out, segs, sig, epoch,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, SRC_FROM_HEADER: tl.constexpr):
+    """Program (b, s) copies its share of segment s: ``out[dst:dst+len] = stage@peer[src:src+len]``.
+
+    ``segs`` is int64 ``[n_segs, 4]``: (peer, src offset, dst offset, length) in elements.
+    With SRC_FROM_HEADER the source offset is read from the peer's header (``hdr[me]``) and
+    the peer's own length for this rank (``hdr[WORLD + me]``) must equal ours.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    seg = segs + tl.program_id(1) * 4
+    peer = tl.load(seg)
+    src_off = tl.load(seg + 1)
+    dst_off = tl.load(seg + 2)
+    length = tl.load(seg + 3)
+    tdl.wait(ctx, sig + peer, epoch)
+    if SRC_FROM_HEADER:
+        me = tdl.rank(ctx)
+        src_off = tdl.load(ctx, hdr + me, peer)
+        sent = tdl.load(ctx, hdr + WORLD + me, peer)
+        mismatch = sent != length
+        if mismatch:
+            tl.atomic_max(sig + 2 * WORLD + 2, STATUS_SIZE_MISMATCH, sem="relaxed", scope="gpu")
+        length = tl.where(mismatch, 0, length)
+    remote = tdl.symm_at(ctx, stage, peer) + src_off
+    local = out + dst_off
+    for start in range(pid * BLOCK, length, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < length
+        tl.store(local + offs, tl.load(remote + offs, mask=mask), mask=mask)
+    _finish_pull(ctx, sig, epoch, WORLD)
+
+
+@tdl.jit
+def _combine(acc, x, OP: tl.constexpr):
+    if OP == "max":
+        return tl.maximum(acc, x)
+    elif OP == "min":
+        return tl.minimum(acc, x)
+    elif OP == "product":
+        return acc * x
+    else:
+        return acc + x
+
+
+@tdl.jit
+def pull_reduce_kernel(ctx, stage, out, src_off, n, sig, epoch,
+                       WORLD: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr,
+                       ACC: tl.constexpr):
+    """``out[i] = OP over peers p (in rank order) of stage@p[src_off + i]``, for i < n.
+
+    Every rank combines in the same order, so all ranks get bit-identical results.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if n > 0:
+        for p in tl.static_range(WORLD):
+            tdl.wait(ctx, sig + p, epoch)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.load(tdl.symm_at(ctx, stage, 0) + src_off + offs, mask=mask).to(ACC)
+        for p in tl.static_range(1, WORLD):
+            x = tl.load(tdl.symm_at(ctx, stage, p) + src_off + offs, mask=mask).to(ACC)
+            acc = _combine(acc, x, OP)
+        if OP == "avg":
+            acc = acc / WORLD
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    _finish_pull(ctx, sig, epoch, WORLD)
