@@ -108,16 +108,15 @@ class SymmetricHeap:
     tensor every tdist kernel takes first (layout in ``torch_tdist.language``).
     """
 
-    _generation = 0
-
     def __init__(self, store, rank: int, world_size: int, nbytes: int,
-                 timeout: timedelta = timedelta(minutes=10), device: str = "cpu"):
+                 timeout: timedelta = timedelta(minutes=10), device: str = "cpu",
+                 key: str = "tdist_heap"):
+        """Collective over the group: every rank calls it with the same ``key``, which must
+        be new in ``store`` (the group's store, already private to the group)."""
         if resolve_transport("auto", torch.device(device).type) != "shm":
             raise AssertionError("only the shm transport is implemented")
         self.rank, self.world_size, self.nbytes = rank, world_size, nbytes
         self.device = torch.device(device)
-        SymmetricHeap._generation += 1
-        key = f"tdist_heap/{SymmetricHeap._generation}"
         own = _ShmSegment.create(nbytes)
         try:
             store.set(f"{key}/name/{rank}", os.path.basename(own.path))

@@ -1,0 +1,77 @@
+// Python bindings: torch_tdist._C.ProcessGroupTDist.
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include "process_group_tdist.hpp"
+
+namespace py = pybind11;
+using tdist::ProcessGroupTDist;
+
+namespace {
+
+using FallbackMap =
+    std::unordered_map<std::string, c10::intrusive_ptr<c10d::Backend>>;
+
+c10::intrusive_ptr<ProcessGroupTDist> create(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    py::object executor,
+    FallbackMap fallbacks,
+    const std::vector<std::string>& servedDevices,
+    const std::vector<std::string>& devices) {
+  TORCH_CHECK_VALUE(
+      !executor.is_none(), "ProcessGroupTDist: executor must not be None");
+  return c10::make_intrusive<ProcessGroupTDist>(
+      store,
+      rank,
+      size,
+      timeout,
+      std::move(executor),
+      std::move(fallbacks),
+      servedDevices,
+      devices);
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch-tdist C++ backend";
+  // Registers c10d's Store and Backend types with pybind11, so that our
+  // class can derive from torch.distributed's Backend.
+  py::module_::import("torch.distributed");
+
+  py::class_<
+      ProcessGroupTDist,
+      c10d::Backend,
+      c10::intrusive_ptr<ProcessGroupTDist>>(m, "ProcessGroupTDist")
+      .def(
+          py::init(&create),
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::arg("executor"),
+          py::arg("fallbacks"),
+          py::arg("served_devices"),
+          py::arg("devices"))
+      .def(
+          "stats",
+          &ProcessGroupTDist::stats,
+          "{op: {'tdist': calls served by tdist, 'fallback': calls forwarded "
+          "to the fallback backend}}")
+      .def(
+          "reset_stats",
+          &ProcessGroupTDist::resetStats,
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("executor", &ProcessGroupTDist::executor)
+      .def_property_readonly(
+          "served_devices", &ProcessGroupTDist::servedDevices)
+      .def_property_readonly("devices", &ProcessGroupTDist::devices)
+      .def(
+          "fallback",
+          &ProcessGroupTDist::fallbackBackend,
+          py::arg("device"),
+          "The inner backend for a device type ('cpu', 'cuda'), or None.");
+}

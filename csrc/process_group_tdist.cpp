@@ -1,0 +1,1281 @@
+#include "process_group_tdist.hpp"
+
+#include <algorithm>
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+namespace tdist {
+
+using c10d::OpType;
+using c10d::ReduceOp;
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+namespace {
+
+constexpr const char* kOpNames[kNumOps] = {
+    "all_gather_into_tensor",
+    "all_gather",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "scatter",
+    "gather",
+    "reduce",
+    "send",
+    "recv",
+};
+
+// The profiler keeps the title pointer, so these must be static strings.
+constexpr const char* kProfilingTitles[kNumOps] = {
+    "tdist:all_gather_into_tensor",
+    "tdist:all_gather",
+    "tdist:reduce_scatter_tensor",
+    "tdist:reduce_scatter",
+    "tdist:all_reduce",
+    "tdist:all_to_all_single",
+    "tdist:all_to_all",
+    "tdist:broadcast",
+    "tdist:barrier",
+    "tdist:scatter",
+    "tdist:gather",
+    "tdist:reduce",
+    "tdist:send",
+    "tdist:recv",
+};
+
+std::string dtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
+    case at::kComplexFloat:
+      return "torch.complex64";
+    case at::kComplexDouble:
+      return "torch.complex128";
+    default:
+      return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string dtypeName(const at::Tensor& t) {
+  return dtypeName(t.scalar_type());
+}
+
+std::string deviceTypeName(c10::DeviceType type) {
+  return c10::DeviceTypeName(type, /*lower_case=*/true);
+}
+
+bool isMovableDtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kDouble:
+    case at::kInt:
+    case at::kLong:
+    case at::kChar:
+    case at::kByte:
+    case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool isReducibleDtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kDouble:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The strings the executor receives.
+const char* executorOpName(ReduceOp::RedOpType op) {
+  switch (op) {
+    case ReduceOp::SUM:
+      return "sum";
+    case ReduceOp::AVG:
+      return "avg";
+    case ReduceOp::MAX:
+      return "max";
+    case ReduceOp::MIN:
+      return "min";
+    case ReduceOp::PRODUCT:
+      return "product";
+    default:
+      TORCH_INTERNAL_ASSERT(false, "tdist: reduce op not served");
+  }
+}
+
+const char* reduceOpName(ReduceOp::RedOpType op) {
+  switch (op) {
+    case ReduceOp::SUM:
+      return "ReduceOp.SUM";
+    case ReduceOp::AVG:
+      return "ReduceOp.AVG";
+    case ReduceOp::PRODUCT:
+      return "ReduceOp.PRODUCT";
+    case ReduceOp::MIN:
+      return "ReduceOp.MIN";
+    case ReduceOp::MAX:
+      return "ReduceOp.MAX";
+    case ReduceOp::BAND:
+      return "ReduceOp.BAND";
+    case ReduceOp::BOR:
+      return "ReduceOp.BOR";
+    case ReduceOp::BXOR:
+      return "ReduceOp.BXOR";
+    case ReduceOp::PREMUL_SUM:
+      return "ReduceOp.PREMUL_SUM";
+    default:
+      return "ReduceOp.UNUSED";
+  }
+}
+
+std::string prefix(Op op) {
+  return std::string("tdist ") + opName(op) + ": ";
+}
+
+bool pythonIsFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Called with the GIL held. ValueError/TypeError/NotImplementedError keep
+// their Python type; anything else becomes a DistBackendError that carries
+// the Python traceback.
+[[noreturn]] void throwPythonError(Op op, py::error_already_set& e) {
+  std::string msg = py::str(e.value());
+  std::string pre = prefix(op);
+  if (msg.rfind(pre, 0) != 0) {
+    msg = pre + msg;
+  }
+  if (e.matches(PyExc_ValueError)) {
+    C10_THROW_ERROR(ValueError, msg);
+  }
+  if (e.matches(PyExc_TypeError)) {
+    C10_THROW_ERROR(TypeError, msg);
+  }
+  if (e.matches(PyExc_NotImplementedError)) {
+    C10_THROW_ERROR(NotImplementedError, msg);
+  }
+  std::string typeName = py::str(e.type().attr("__name__"));
+  std::string trace;
+  try {
+    py::object lines = py::module_::import("traceback")
+                           .attr("format_exception")(
+                               e.type(), e.value(), e.trace());
+    trace = py::str("").attr("join")(lines).cast<std::string>();
+  } catch (py::error_already_set&) {
+    trace = "(no traceback)";
+  }
+  C10_THROW_ERROR(
+      DistBackendError,
+      c10::str(
+          pre,
+          "the executor raised ",
+          typeName,
+          ": ",
+          py::str(e.value()).cast<std::string>(),
+          "\nexecutor traceback:\n",
+          trace));
+}
+
+void checkSingle(Op op, const std::vector<at::Tensor>& ts, const char* what) {
+  TORCH_CHECK_VALUE(
+      ts.size() == 1,
+      prefix(op),
+      "expected exactly one ",
+      what,
+      " tensor, got ",
+      ts.size(),
+      " (one tensor per process)");
+}
+
+void checkSameDtype(
+    Op op,
+    const at::Tensor& ref,
+    const char* refName,
+    const at::Tensor& t,
+    const std::string& name) {
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == ref.scalar_type(),
+      prefix(op),
+      name,
+      " has dtype ",
+      dtypeName(t),
+      " but ",
+      refName,
+      " has dtype ",
+      dtypeName(ref),
+      "; they must match");
+}
+
+void checkSameDevice(
+    Op op,
+    const at::Tensor& ref,
+    const char* refName,
+    const at::Tensor& t,
+    const std::string& name) {
+  TORCH_CHECK_VALUE(
+      t.device() == ref.device(),
+      prefix(op),
+      name,
+      " is on ",
+      t.device(),
+      " but ",
+      refName,
+      " is on ",
+      ref.device(),
+      "; they must be on the same device");
+}
+
+void checkLike(
+    Op op,
+    const at::Tensor& ref,
+    const char* refName,
+    const at::Tensor& t,
+    const std::string& name) {
+  checkSameDtype(op, ref, refName, t, name);
+  checkSameDevice(op, ref, refName, t, name);
+}
+
+// Every tensor of a list has the dtype, device and element count of `ref`.
+void checkListLike(
+    Op op,
+    const std::vector<at::Tensor>& list,
+    const char* listName,
+    const at::Tensor& ref,
+    const char* refName) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    std::string name = c10::str(listName, "[", i, "]");
+    checkLike(op, ref, refName, list[i], name);
+    TORCH_CHECK_VALUE(
+        list[i].numel() == ref.numel(),
+        prefix(op),
+        name,
+        " has ",
+        list[i].numel(),
+        " elements, expected ",
+        ref.numel(),
+        " (as many as ",
+        refName,
+        ")");
+  }
+}
+
+// Elements per row (dim 0) of a tensor with at least one dimension.
+int64_t rowNumel(const at::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) {
+    n *= t.size(d);
+  }
+  return n;
+}
+
+// Validates explicit split sizes or computes even ones.
+std::vector<int64_t> resolveSplits(
+    Op op,
+    const std::vector<int64_t>& splits,
+    const at::Tensor& t,
+    const char* tensorName,
+    const char* splitsName,
+    int worldSize) {
+  int64_t rows = t.size(0);
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(
+        rows % worldSize == 0,
+        prefix(op),
+        "world size ",
+        worldSize,
+        " does not divide dim 0 of ",
+        tensorName,
+        " (",
+        rows,
+        ") and no ",
+        splitsName,
+        " were given");
+    return std::vector<int64_t>(worldSize, rows / worldSize);
+  }
+  TORCH_CHECK_VALUE(
+      splits.size() == static_cast<size_t>(worldSize),
+      prefix(op),
+      splitsName,
+      " has ",
+      splits.size(),
+      " entries, expected ",
+      worldSize,
+      " (the world size)");
+  int64_t sum = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        splits[i] >= 0,
+        prefix(op),
+        splitsName,
+        "[",
+        i,
+        "] is ",
+        splits[i],
+        "; split sizes must be non-negative");
+    sum += splits[i];
+  }
+  TORCH_CHECK_VALUE(
+      sum == rows,
+      prefix(op),
+      splitsName,
+      " sum to ",
+      sum,
+      " but dim 0 of ",
+      tensorName,
+      " is ",
+      rows);
+  return splits;
+}
+
+std::vector<at::Tensor> column(
+    const std::vector<std::vector<at::Tensor>>& lists,
+    size_t j) {
+  std::vector<at::Tensor> out;
+  out.reserve(lists.size());
+  for (const auto& list : lists) {
+    out.push_back(list[j]);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> flatten(
+    const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& list : lists) {
+    out.insert(out.end(), list.begin(), list.end());
+  }
+  return out;
+}
+
+} // namespace
+
+const char* opName(Op op) {
+  return kOpNames[static_cast<int>(op)];
+}
+
+// ---------------------------------------------------------------- TDistWork
+
+TDistWork::TDistWork(
+    int rank,
+    c10d::OpType type,
+    const char* profilingTitle,
+    const std::vector<at::Tensor>& inputs,
+    std::vector<at::Tensor> outputs)
+    : Work(rank, type, profilingTitle, inputs), outputs_(std::move(outputs)) {}
+
+void TDistWork::markDone() {
+  std::vector<c10::Device> devices;
+  for (const auto& t : outputs_) {
+    if (!t.is_cpu() && std::find(devices.begin(), devices.end(), t.device()) ==
+            devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  future_ = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), devices);
+  future_->markCompleted(c10::IValue(outputs_));
+  finish();
+}
+
+std::vector<at::Tensor> TDistWork::result() {
+  return outputs_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> TDistWork::getFuture() {
+  TORCH_CHECK(future_, "tdist: getFuture() on a work that has not finished");
+  return future_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> TDistWork::getFutureResult() {
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+  fut->markCompleted(
+      c10::IValue(static_cast<int64_t>(c10d::WorkResult::SUCCESS)));
+  return fut;
+}
+
+uint64_t TDistWork::getSequencenumber() const {
+  return seq_;
+}
+
+void TDistWork::setSequenceNumber(uint64_t seq) {
+  seq_ = seq;
+}
+
+// ------------------------------------------------------------ GilSafeObject
+
+GilSafeObject::~GilSafeObject() {
+  // At interpreter exit the object is leaked: taking the GIL then can hang.
+  if (obj_ == nullptr || !Py_IsInitialized() || pythonIsFinalizing()) {
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  Py_DECREF(obj_);
+}
+
+// -------------------------------------------------------- ProcessGroupTDist
+
+ProcessGroupTDist::ProcessGroupTDist(
+    c10::intrusive_ptr<c10d::Store> store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    py::object executor,
+    std::unordered_map<std::string, c10::intrusive_ptr<c10d::Backend>>
+        fallbacks,
+    const std::vector<std::string>& servedDevices,
+    const std::vector<std::string>& devices)
+    : Backend(rank, size),
+      store_(std::move(store)),
+      timeout_(timeout),
+      executor_(std::move(executor)) {
+  for (const auto& name : devices) {
+    devices_.push_back(c10::Device(name).type());
+  }
+  for (const auto& name : servedDevices) {
+    auto type = c10::Device(name).type();
+    TORCH_CHECK_VALUE(
+        std::find(devices_.begin(), devices_.end(), type) != devices_.end(),
+        "tdist: served device ",
+        name,
+        " is not one of the group's devices");
+    served_.insert(type);
+  }
+  for (auto& [name, backend] : fallbacks) {
+    TORCH_CHECK_VALUE(backend, "tdist: fallback for ", name, " is None");
+    fallbacks_[c10::Device(name).type()] = backend;
+  }
+  init();
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTDist::
+    getBackendOptions() {
+  return c10::make_intrusive<Options>(getBackendName(), timeout_);
+}
+
+void ProcessGroupTDist::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  for (auto& entry : fallbacks_) {
+    entry.second->setTimeout(timeout);
+  }
+}
+
+void ProcessGroupTDist::abort() {
+  for (auto& entry : fallbacks_) {
+    entry.second->abort();
+  }
+}
+
+void ProcessGroupTDist::shutdown() {
+  if (shutDown_.exchange(true)) {
+    return;
+  }
+  if (Py_IsInitialized() && !pythonIsFinalizing()) {
+    py::gil_scoped_acquire gil;
+    py::object ex = executor_.get();
+    try {
+      if (py::hasattr(ex, "close")) {
+        ex.attr("close")();
+      }
+    } catch (py::error_already_set& e) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          std::string("tdist shutdown: ") + py::str(e.value()).cast<std::string>());
+    }
+  }
+  for (auto& entry : fallbacks_) {
+    entry.second->shutdown();
+  }
+}
+
+// ------------------------------------------------------- validation helpers
+
+void ProcessGroupTDist::checkDevice(
+    Op op,
+    const at::Tensor& t,
+    const char* what) const {
+  auto type = t.device().type();
+  if (std::find(devices_.begin(), devices_.end(), type) != devices_.end()) {
+    return;
+  }
+  std::vector<std::string> names;
+  for (auto d : devices_) {
+    names.push_back(deviceTypeName(d));
+  }
+  TORCH_CHECK_VALUE(
+      false,
+      prefix(op),
+      what,
+      " is on ",
+      deviceTypeName(type),
+      ", but this group serves ",
+      c10::Join(", ", names));
+}
+
+void ProcessGroupTDist::checkRoot(Op op, int64_t root, const char* what)
+    const {
+  TORCH_CHECK_VALUE(
+      root >= 0 && root < size_,
+      prefix(op),
+      what,
+      " ",
+      root,
+      " is not a rank of this group of size ",
+      size_);
+}
+
+void ProcessGroupTDist::checkGroupSize(
+    Op op,
+    size_t got,
+    const char* what,
+    const char* whose) const {
+  TORCH_CHECK_VALUE(
+      got == static_cast<size_t>(size_),
+      prefix(op),
+      what,
+      whose ? whose : "",
+      " has ",
+      got,
+      " tensors, expected ",
+      size_,
+      " (the world size)");
+}
+
+ProcessGroupTDist::Route ProcessGroupTDist::routeMovement(
+    const at::Tensor& t) const {
+  bool served = served_.count(t.device().type()) > 0 &&
+      t.layout() == at::kStrided && isMovableDtype(t.scalar_type());
+  return served ? Route::Tdist : Route::Fallback;
+}
+
+ProcessGroupTDist::Route ProcessGroupTDist::routeReduction(
+    Op op,
+    const at::Tensor& t,
+    const ReduceOp& rop) const {
+  auto dtype = t.scalar_type();
+  switch (rop.op_) {
+    case ReduceOp::PREMUL_SUM:
+      TORCH_CHECK_VALUE(
+          false, prefix(op), "ReduceOp.PREMUL_SUM is not supported");
+    case ReduceOp::BAND:
+    case ReduceOp::BOR:
+    case ReduceOp::BXOR:
+      TORCH_CHECK_VALUE(
+          !at::isFloatingType(dtype) && !at::isComplexType(dtype),
+          prefix(op),
+          reduceOpName(rop.op_),
+          " needs an integer or bool tensor, got ",
+          dtypeName(dtype));
+      return Route::Fallback;
+    case ReduceOp::AVG:
+      TORCH_CHECK_VALUE(
+          !at::isIntegralType(dtype, /*includeBool=*/true),
+          prefix(op),
+          "ReduceOp.AVG needs a floating-point tensor, got ",
+          dtypeName(dtype));
+      break;
+    case ReduceOp::SUM:
+    case ReduceOp::MAX:
+    case ReduceOp::MIN:
+    case ReduceOp::PRODUCT:
+      break;
+    default:
+      TORCH_CHECK_VALUE(
+          false, prefix(op), "unknown reduce op ", static_cast<int>(rop.op_));
+  }
+  bool served = served_.count(t.device().type()) > 0 &&
+      t.layout() == at::kStrided && isReducibleDtype(dtype);
+  return served ? Route::Tdist : Route::Fallback;
+}
+
+c10d::Backend& ProcessGroupTDist::fallbackFor(Op op, c10::DeviceType type)
+    const {
+  auto it = fallbacks_.find(type);
+  TORCH_CHECK(
+      it != fallbacks_.end(),
+      prefix(op),
+      "tdist does not serve this call and the group has no fallback backend "
+      "for ",
+      deviceTypeName(type),
+      " tensors");
+  return *it->second;
+}
+
+c10d::Backend& ProcessGroupTDist::fallbackForBarrier(
+    const c10d::BarrierOptions& opts) const {
+  if (opts.device.has_value()) {
+    return fallbackFor(Op::Barrier, opts.device->type());
+  }
+  if (fallbacks_.count(c10::kCPU) > 0) {
+    return fallbackFor(Op::Barrier, c10::kCPU);
+  }
+  TORCH_CHECK(!fallbacks_.empty(), "tdist barrier: no backend can serve it");
+  return *fallbacks_.begin()->second;
+}
+
+void ProcessGroupTDist::count(Op op, Route route, size_t n) {
+  auto& counters = route == Route::Tdist ? tdistCount_ : fallbackCount_;
+  counters[static_cast<int>(op)].fetch_add(n, std::memory_order_relaxed);
+}
+
+template <typename... Args>
+void ProcessGroupTDist::execute(Op op, const char* method, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    executor_.get().attr(method)(std::forward<Args>(args)...);
+  } catch (py::error_already_set& e) {
+    throwPythonError(op, e);
+  }
+}
+
+c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
+    Op op,
+    OpType type,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs) {
+  return c10::make_intrusive<TDistWork>(
+      rank_, type, kProfilingTitles[static_cast<int>(op)], inputs, outputs);
+}
+
+WorkPtr ProcessGroupTDist::finishWork(
+    c10::intrusive_ptr<TDistWork> work,
+    Op op,
+    size_t n) {
+  count(op, Route::Tdist, n);
+  work->setSequenceNumber(++seq_);
+  work->markDone();
+  return work;
+}
+
+// ---------------------------------------------------------------- all-gather
+
+namespace {
+
+void checkAllGatherPair(
+    Op op,
+    const at::Tensor& output,
+    const at::Tensor& input,
+    int worldSize) {
+  checkLike(op, input, "input", output, "output");
+  TORCH_CHECK_VALUE(
+      output.numel() == input.numel() * worldSize,
+      prefix(op),
+      "output has ",
+      output.numel(),
+      " elements, expected ",
+      input.numel() * worldSize,
+      " (input ",
+      input.numel(),
+      " elements x world size ",
+      worldSize,
+      ")");
+}
+
+void checkReduceScatterPair(
+    Op op,
+    const at::Tensor& output,
+    const at::Tensor& input,
+    int worldSize) {
+  checkLike(op, input, "input", output, "output");
+  TORCH_CHECK_VALUE(
+      input.numel() % worldSize == 0,
+      prefix(op),
+      "world size ",
+      worldSize,
+      " does not divide input of ",
+      input.numel(),
+      " elements");
+  TORCH_CHECK_VALUE(
+      input.numel() == output.numel() * worldSize,
+      prefix(op),
+      "output has ",
+      output.numel(),
+      " elements, expected ",
+      input.numel() / worldSize,
+      " (input ",
+      input.numel(),
+      " elements / world size ",
+      worldSize,
+      ")");
+}
+
+void checkSameLength(
+    Op op,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK_VALUE(
+      outputs.size() == inputs.size(),
+      prefix(op),
+      "got ",
+      outputs.size(),
+      " outputs for ",
+      inputs.size(),
+      " inputs");
+}
+
+} // namespace
+
+WorkPtr ProcessGroupTDist::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  constexpr Op op = Op::AllGatherIntoTensor;
+  checkDevice(op, input, "input");
+  checkAllGatherPair(op, output, input, size_);
+  if (routeMovement(input) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, input.device().type())
+        ._allgather_base(output, input, opts);
+  }
+  auto work = startWork(op, OpType::_ALLGATHER_BASE, {input}, {output});
+  execute(op, "all_gather_into_tensor", output, input);
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr Op op = Op::AllGatherIntoTensor;
+  checkSameLength(op, outputs, inputs);
+  Route route = Route::Tdist;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkDevice(op, inputs[i], "input");
+    checkSameDevice(op, inputs[0], "input 0", inputs[i], "input");
+    checkAllGatherPair(op, outputs[i], inputs[i], size_);
+    if (routeMovement(inputs[i]) == Route::Fallback) {
+      route = Route::Fallback;
+    }
+  }
+  if (route == Route::Fallback) {
+    count(op, Route::Fallback, inputs.size());
+    return fallbackFor(op, inputs[0].device().type())
+        .allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::COALESCED, inputs, outputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    execute(op, "all_gather_into_tensor", outputs[i], inputs[i]);
+  }
+  return finishWork(work, op, inputs.size());
+}
+
+WorkPtr ProcessGroupTDist::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr Op op = Op::AllGather;
+  checkSingle(op, inputs, "input");
+  TORCH_CHECK_VALUE(
+      outputs.size() == 1,
+      prefix(op),
+      "expected one output list, got ",
+      outputs.size());
+  const auto& input = inputs[0];
+  checkDevice(op, input, "input");
+  checkGroupSize(op, outputs[0].size(), "tensor_list");
+  checkListLike(op, outputs[0], "tensor_list", input, "input");
+  if (routeMovement(input) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, input.device().type())
+        .allgather(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::ALLGATHER, inputs, outputs[0]);
+  execute(op, "all_gather", outputs[0], input);
+  return finishWork(work, op);
+}
+
+// outputLists[r][j] receives input j of rank r.
+WorkPtr ProcessGroupTDist::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr Op op = Op::AllGather;
+  checkGroupSize(op, outputLists.size(), "output_tensor_lists");
+  Route route = Route::Tdist;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    checkDevice(op, inputs[j], "input");
+    if (routeMovement(inputs[j]) == Route::Fallback) {
+      route = Route::Fallback;
+    }
+  }
+  for (size_t r = 0; r < outputLists.size(); ++r) {
+    TORCH_CHECK_VALUE(
+        outputLists[r].size() == inputs.size(),
+        prefix(op),
+        "output_tensor_lists[",
+        r,
+        "] has ",
+        outputLists[r].size(),
+        " tensors, expected ",
+        inputs.size(),
+        " (one per input)");
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      const auto& out = outputLists[r][j];
+      std::string name = c10::str("output_tensor_lists[", r, "][", j, "]");
+      checkLike(op, inputs[j], "its input", out, name);
+      TORCH_CHECK_VALUE(
+          out.numel() == inputs[j].numel(),
+          prefix(op),
+          name,
+          " has ",
+          out.numel(),
+          " elements, expected ",
+          inputs[j].numel(),
+          " (as many as input ",
+          j,
+          ")");
+    }
+  }
+  if (route == Route::Fallback) {
+    count(op, Route::Fallback, inputs.size());
+    return fallbackFor(op, inputs.at(0).device().type())
+        .allgather_coalesced(outputLists, inputs, opts);
+  }
+  auto work = startWork(
+      op, OpType::ALLGATHER_COALESCED, inputs, flatten(outputLists));
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    execute(op, "all_gather", column(outputLists, j), inputs[j]);
+  }
+  return finishWork(work, op, inputs.size());
+}
+
+// ----------------------------------------------------------- reduce-scatter
+
+WorkPtr ProcessGroupTDist::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr Op op = Op::ReduceScatterTensor;
+  checkDevice(op, input, "input");
+  checkReduceScatterPair(op, output, input, size_);
+  if (routeReduction(op, input, opts.reduceOp) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, input.device().type())
+        ._reduce_scatter_base(output, input, opts);
+  }
+  auto work = startWork(op, OpType::_REDUCE_SCATTER_BASE, {input}, {output});
+  execute(
+      op,
+      "reduce_scatter_tensor",
+      output,
+      input,
+      executorOpName(opts.reduceOp.op_));
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr Op op = Op::ReduceScatterTensor;
+  checkSameLength(op, outputs, inputs);
+  Route route = Route::Tdist;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkDevice(op, inputs[i], "input");
+    checkSameDevice(op, inputs[0], "input 0", inputs[i], "input");
+    checkReduceScatterPair(op, outputs[i], inputs[i], size_);
+    if (routeReduction(op, inputs[i], opts.reduceOp) == Route::Fallback) {
+      route = Route::Fallback;
+    }
+  }
+  if (route == Route::Fallback) {
+    count(op, Route::Fallback, inputs.size());
+    return fallbackFor(op, inputs[0].device().type())
+        .reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::COALESCED, inputs, outputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    execute(
+        op,
+        "reduce_scatter_tensor",
+        outputs[i],
+        inputs[i],
+        executorOpName(opts.reduceOp.op_));
+  }
+  return finishWork(work, op, inputs.size());
+}
+
+WorkPtr ProcessGroupTDist::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr Op op = Op::ReduceScatter;
+  checkSingle(op, outputs, "output");
+  TORCH_CHECK_VALUE(
+      inputs.size() == 1,
+      prefix(op),
+      "expected one input list, got ",
+      inputs.size());
+  const auto& output = outputs[0];
+  checkDevice(op, output, "output");
+  checkGroupSize(op, inputs[0].size(), "input_list");
+  checkListLike(op, inputs[0], "input_list", output, "output");
+  if (routeReduction(op, output, opts.reduceOp) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, output.device().type())
+        .reduce_scatter(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::REDUCE_SCATTER, inputs[0], outputs);
+  execute(
+      op,
+      "reduce_scatter",
+      output,
+      inputs[0],
+      executorOpName(opts.reduceOp.op_));
+  return finishWork(work, op);
+}
+
+// --------------------------------------------------------------- all-reduce
+
+WorkPtr ProcessGroupTDist::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  constexpr Op op = Op::AllReduce;
+  checkSingle(op, tensors, "input");
+  const auto& t = tensors[0];
+  checkDevice(op, t, "tensor");
+  if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, t.device().type()).allreduce(tensors, opts);
+  }
+  auto work = startWork(op, OpType::ALLREDUCE, tensors, tensors);
+  execute(op, "all_reduce", t, executorOpName(opts.reduceOp.op_));
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  constexpr Op op = Op::AllReduce;
+  Route route = Route::Tdist;
+  for (const auto& t : tensors) {
+    checkDevice(op, t, "tensor");
+    checkSameDevice(op, tensors[0], "tensor 0", t, "tensor");
+    if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
+      route = Route::Fallback;
+    }
+  }
+  if (route == Route::Fallback) {
+    count(op, Route::Fallback, tensors.size());
+    return fallbackFor(op, tensors[0].device().type())
+        .allreduce_coalesced(tensors, opts);
+  }
+  auto work = startWork(op, OpType::ALLREDUCE_COALESCED, tensors, tensors);
+  for (const auto& t : tensors) {
+    execute(op, "all_reduce", t, executorOpName(opts.reduceOp.op_));
+  }
+  return finishWork(work, op, tensors.size());
+}
+
+// --------------------------------------------------------------- all-to-all
+
+WorkPtr ProcessGroupTDist::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& opts) {
+  constexpr Op op = Op::AllToAllSingle;
+  checkDevice(op, input, "input");
+  checkLike(op, input, "input", output, "output");
+  TORCH_CHECK_VALUE(
+      input.dim() >= 1 && output.dim() >= 1,
+      prefix(op),
+      "input and output need at least one dimension");
+  TORCH_CHECK_VALUE(
+      rowNumel(input) == rowNumel(output),
+      prefix(op),
+      "input rows have ",
+      rowNumel(input),
+      " elements but output rows have ",
+      rowNumel(output),
+      "; they must match (input shape ",
+      input.sizes(),
+      ", output shape ",
+      output.sizes(),
+      ")");
+  auto inSplits = resolveSplits(
+      op, inputSplitSizes, input, "input", "input_split_sizes", size_);
+  auto outSplits = resolveSplits(
+      op, outputSplitSizes, output, "output", "output_split_sizes", size_);
+  if (routeMovement(input) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, input.device().type())
+        .alltoall_base(
+            output, input, outputSplitSizes, inputSplitSizes, opts);
+  }
+  auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output});
+  execute(op, "all_to_all_single", output, input, outSplits, inSplits);
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  constexpr Op op = Op::AllToAll;
+  checkGroupSize(op, inputs.size(), "input_tensor_list");
+  checkGroupSize(op, outputs.size(), "output_tensor_list");
+  const auto& ref = inputs[0];
+  checkDevice(op, ref, "input");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkLike(
+        op, ref, "input_tensor_list[0]", inputs[i], c10::str(
+            "input_tensor_list[", i, "]"));
+    checkLike(
+        op, ref, "input_tensor_list[0]", outputs[i], c10::str(
+            "output_tensor_list[", i, "]"));
+  }
+  if (routeMovement(ref) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, ref.device().type()).alltoall(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::ALLTOALL, inputs, outputs);
+  execute(op, "all_to_all", outputs, inputs);
+  return finishWork(work, op);
+}
+
+// ----------------------------------------------------------- rooted and misc
+
+WorkPtr ProcessGroupTDist::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  constexpr Op op = Op::Broadcast;
+  checkSingle(op, tensors, "input");
+  const auto& t = tensors[0];
+  checkDevice(op, t, "tensor");
+  checkRoot(op, opts.rootRank, "src");
+  TORCH_CHECK_VALUE(
+      opts.rootTensor == 0, prefix(op), "root tensor must be 0");
+  if (routeMovement(t) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, t.device().type()).broadcast(tensors, opts);
+  }
+  auto work = startWork(op, OpType::BROADCAST, tensors, tensors);
+  execute(op, "broadcast", t, opts.rootRank);
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::barrier(const c10d::BarrierOptions& opts) {
+  constexpr Op op = Op::Barrier;
+  if (served_.empty()) {
+    count(op, Route::Fallback);
+    return fallbackForBarrier(opts).barrier(opts);
+  }
+  auto work = startWork(op, OpType::BARRIER, {}, {});
+  execute(op, "barrier");
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  constexpr Op op = Op::Scatter;
+  checkSingle(op, outputs, "output");
+  const auto& output = outputs[0];
+  checkDevice(op, output, "output");
+  checkRoot(op, opts.rootRank, "src");
+  std::vector<at::Tensor> scatterList;
+  if (rank_ == opts.rootRank) {
+    TORCH_CHECK_VALUE(
+        inputs.size() == 1,
+        prefix(op),
+        "the src rank needs one scatter_list, got ",
+        inputs.size());
+    scatterList = inputs[0];
+    checkGroupSize(op, scatterList.size(), "scatter_list", " on the src rank");
+    checkListLike(op, scatterList, "scatter_list", output, "output");
+  } else {
+    TORCH_CHECK_VALUE(
+        inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+        prefix(op),
+        "scatter_list must be empty on ranks other than src");
+  }
+  if (routeMovement(output) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, output.device().type())
+        .scatter(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::SCATTER, scatterList, outputs);
+  execute(op, "scatter", output, scatterList, opts.rootRank);
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  constexpr Op op = Op::Gather;
+  checkSingle(op, inputs, "input");
+  const auto& input = inputs[0];
+  checkDevice(op, input, "input");
+  checkRoot(op, opts.rootRank, "dst");
+  std::vector<at::Tensor> gatherList;
+  if (rank_ == opts.rootRank) {
+    TORCH_CHECK_VALUE(
+        outputs.size() == 1,
+        prefix(op),
+        "the dst rank needs one gather_list, got ",
+        outputs.size());
+    gatherList = outputs[0];
+    checkGroupSize(op, gatherList.size(), "gather_list", " on the dst rank");
+    checkListLike(op, gatherList, "gather_list", input, "input");
+  } else {
+    TORCH_CHECK_VALUE(
+        outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+        prefix(op),
+        "gather_list must be empty on ranks other than dst");
+  }
+  if (routeMovement(input) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, input.device().type())
+        .gather(outputs, inputs, opts);
+  }
+  auto work = startWork(op, OpType::GATHER, inputs, gatherList);
+  execute(op, "gather", gatherList, input, opts.rootRank);
+  return finishWork(work, op);
+}
+
+WorkPtr ProcessGroupTDist::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  constexpr Op op = Op::Reduce;
+  checkSingle(op, tensors, "input");
+  const auto& t = tensors[0];
+  checkDevice(op, t, "tensor");
+  checkRoot(op, opts.rootRank, "dst");
+  TORCH_CHECK_VALUE(
+      opts.rootTensor == 0, prefix(op), "root tensor must be 0");
+  if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
+    count(op, Route::Fallback);
+    return fallbackFor(op, t.device().type()).reduce(tensors, opts);
+  }
+  auto work = startWork(op, OpType::REDUCE, tensors, tensors);
+  execute(
+      op, "reduce", t, opts.rootRank, executorOpName(opts.reduceOp.op_));
+  return finishWork(work, op);
+}
+
+// --------------------------------------------- point-to-point (fallback only)
+
+WorkPtr ProcessGroupTDist::send(
+    std::vector<at::Tensor>& tensors,
+    int dstRank,
+    int tag) {
+  constexpr Op op = Op::Send;
+  checkSingle(op, tensors, "input");
+  checkDevice(op, tensors[0], "tensor");
+  checkRoot(op, dstRank, "dst");
+  count(op, Route::Fallback);
+  return fallbackFor(op, tensors[0].device().type())
+      .send(tensors, dstRank, tag);
+}
+
+WorkPtr ProcessGroupTDist::recv(
+    std::vector<at::Tensor>& tensors,
+    int srcRank,
+    int tag) {
+  constexpr Op op = Op::Recv;
+  checkSingle(op, tensors, "output");
+  checkDevice(op, tensors[0], "tensor");
+  checkRoot(op, srcRank, "src");
+  count(op, Route::Fallback);
+  return fallbackFor(op, tensors[0].device().type())
+      .recv(tensors, srcRank, tag);
+}
+
+WorkPtr ProcessGroupTDist::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  constexpr Op op = Op::Recv;
+  checkSingle(op, tensors, "output");
+  checkDevice(op, tensors[0], "tensor");
+  count(op, Route::Fallback);
+  return fallbackFor(op, tensors[0].device().type())
+      .recvAnysource(tensors, tag);
+}
+
+// -------------------------------------------------------------- inspection
+
+py::dict ProcessGroupTDist::stats() const {
+  py::dict out;
+  for (int i = 0; i < kNumOps; ++i) {
+    py::dict entry;
+    entry["tdist"] = tdistCount_[i].load();
+    entry["fallback"] = fallbackCount_[i].load();
+    out[kOpNames[i]] = entry;
+  }
+  return out;
+}
+
+void ProcessGroupTDist::resetStats() {
+  for (int i = 0; i < kNumOps; ++i) {
+    tdistCount_[i].store(0);
+    fallbackCount_[i].store(0);
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTDist::fallbackBackend(
+    const std::string& device) const {
+  auto it = fallbacks_.find(c10::Device(device).type());
+  return it == fallbacks_.end() ? nullptr : it->second;
+}
+
+std::vector<std::string> ProcessGroupTDist::servedDevices() const {
+  std::vector<std::string> out;
+  for (auto d : devices_) {
+    if (served_.count(d) > 0) {
+      out.push_back(deviceTypeName(d));
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> ProcessGroupTDist::devices() const {
+  std::vector<std::string> out;
+  for (auto d : devices_) {
+    out.push_back(deviceTypeName(d));
+  }
+  return out;
+}
+
+} // namespace tdist

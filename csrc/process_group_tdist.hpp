@@ -1,0 +1,269 @@
+// ProcessGroupTDist: the c10d backend registered as "tdist".
+//
+// C++ validates every call, decides whether tdist serves it or the inner
+// fallback backend (Gloo on CPU, NCCL on CUDA) does, and hands served calls
+// to a Python executor object (torch_tdist.collectives) that launches the
+// Triton kernels. Served calls complete before they return.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+namespace tdist {
+
+namespace py = pybind11;
+
+// Ops as torch.distributed names them; also the keys of stats().
+enum class Op : int {
+  AllGatherIntoTensor,
+  AllGather,
+  ReduceScatterTensor,
+  ReduceScatter,
+  AllReduce,
+  AllToAllSingle,
+  AllToAll,
+  Broadcast,
+  Barrier,
+  Scatter,
+  Gather,
+  Reduce,
+  Send,
+  Recv,
+  kCount,
+};
+
+constexpr int kNumOps = static_cast<int>(Op::kCount);
+
+const char* opName(Op op);
+
+// A Work that finishes synchronously: construct it before the executor runs
+// (so a profiler range covers the call), then call markDone().
+class TDistWork : public c10d::Work {
+ public:
+  TDistWork(
+      int rank,
+      c10d::OpType type,
+      const char* profilingTitle,
+      const std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor> outputs);
+
+  void markDone();
+
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+  uint64_t getSequencenumber() const override;
+  void setSequenceNumber(uint64_t seq);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  uint64_t seq_ = 0;
+};
+
+// Owns one Python reference and drops it under the GIL; the backend can be
+// destroyed from C++ code that does not hold the GIL.
+class GilSafeObject {
+ public:
+  GilSafeObject() = default;
+  explicit GilSafeObject(py::object obj) : obj_(obj.release().ptr()) {}
+  GilSafeObject(const GilSafeObject&) = delete;
+  GilSafeObject& operator=(const GilSafeObject&) = delete;
+  ~GilSafeObject();
+
+  // Only while holding the GIL.
+  py::object get() const {
+    return py::reinterpret_borrow<py::object>(obj_);
+  }
+
+ private:
+  PyObject* obj_ = nullptr;
+};
+
+class ProcessGroupTDist : public c10d::Backend {
+ public:
+  ProcessGroupTDist(
+      c10::intrusive_ptr<c10d::Store> store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      py::object executor,
+      std::unordered_map<std::string, c10::intrusive_ptr<c10d::Backend>>
+          fallbacks,
+      const std::vector<std::string>& servedDevices,
+      const std::vector<std::string>& devices);
+
+  ~ProcessGroupTDist() override = default;
+
+  const std::string getBackendName() const override {
+    return "tdist";
+  }
+  bool supportsSplitting() const override {
+    return false;
+  }
+  bool supportsCoalescing() const override {
+    return false;
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override {
+    return seq_.load();
+  }
+  // Both forward to the fallbacks; shutdown() first calls executor.close()
+  // when the executor has one.
+  void abort() override;
+  void shutdown() override;
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dstRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int srcRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+
+  // {op name: {"tdist": n, "fallback": m}}; needs the GIL.
+  py::dict stats() const;
+  void resetStats();
+
+  py::object executor() const {
+    return executor_.get();
+  }
+  // The inner backend for a device type, or None.
+  c10::intrusive_ptr<c10d::Backend> fallbackBackend(
+      const std::string& device) const;
+  std::vector<std::string> servedDevices() const;
+  std::vector<std::string> devices() const;
+
+ private:
+  enum class Route { Tdist, Fallback };
+
+  // Validation; every failure names the op.
+  void checkDevice(Op op, const at::Tensor& t, const char* what) const;
+  void checkRoot(Op op, int64_t root, const char* what) const;
+  void checkGroupSize(
+      Op op,
+      size_t got,
+      const char* what,
+      const char* whose = nullptr) const;
+
+  // Served-or-fallback decisions (they may also reject the call).
+  Route routeMovement(const at::Tensor& t) const;
+  Route routeReduction(Op op, const at::Tensor& t, const c10d::ReduceOp& rop)
+      const;
+  c10d::Backend& fallbackFor(Op op, c10::DeviceType type) const;
+  c10d::Backend& fallbackForBarrier(const c10d::BarrierOptions& opts) const;
+
+  void count(Op op, Route route, size_t n = 1);
+
+  // Calls executor.<method>(args...) under the GIL; Python exceptions come
+  // back as c10 errors that keep their message.
+  template <typename... Args>
+  void execute(Op op, const char* method, Args&&... args);
+
+  c10::intrusive_ptr<TDistWork> startWork(
+      Op op,
+      c10d::OpType type,
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs);
+  c10::intrusive_ptr<c10d::Work> finishWork(
+      c10::intrusive_ptr<TDistWork> work,
+      Op op,
+      size_t n = 1);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+  GilSafeObject executor_;
+  std::unordered_map<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>>
+      fallbacks_;
+  std::unordered_set<c10::DeviceType> served_;
+  std::vector<c10::DeviceType> devices_;
+
+  std::array<std::atomic<uint64_t>, kNumOps> tdistCount_{};
+  std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> shutDown_{false};
+};
+
+} // namespace tdist

@@ -1,0 +1,135 @@
+"""Registration of the "tdist" c10d backend and access to a group's backend.
+
+``register()`` makes ``dist.init_process_group("tdist")``, ``"cpu:tdist"`` and
+``dist.new_group(backend="tdist")`` build a :class:`torch_tdist._C.ProcessGroupTDist`.
+Each one gets an executor (``torch_tdist.collectives.Executor`` unless
+:func:`set_executor_factory` chose another) and a fallback backend per device type
+(Gloo for "cpu"; NCCL for "cuda" when torch has it and CUDA is available) that serves
+what tdist does not.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["register", "stats", "reset_stats", "get_executor", "set_executor_factory"]
+
+BACKEND_NAME = "tdist"
+DEVICES = ["cpu", "cuda"]
+_FALLBACK_PREFIX = "tdist_fallback/"
+
+# Called as factory(store, rank, world_size, timeout), plus options=... when the
+# group was created with pg_options. None means torch_tdist.collectives.Executor.
+_executor_factory: Callable[..., Any] | None = None
+
+
+def set_executor_factory(factory: Callable[..., Any] | None):
+    """Use ``factory`` to build the executor of tdist groups created from now on
+    (``None`` restores the default). Returns the previous factory."""
+    global _executor_factory
+    previous, _executor_factory = _executor_factory, factory
+    return previous
+
+
+def register() -> None:
+    """Register the "tdist" backend with torch.distributed (idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    try:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES
+        )
+    except ValueError as err:  # older torch raises when the name exists
+        if "already" not in str(err):
+            raise
+
+
+def _make_executor(store, rank: int, size: int, timeout: timedelta, options):
+    factory = _executor_factory
+    if factory is None:
+        from .collectives import Executor as factory
+    if options is None:
+        return factory(store, rank, size, timeout)
+    return factory(store, rank, size, timeout, options=options)
+
+
+def _make_fallbacks(dist_opts, devices: list[str]) -> dict[str, dist.Backend]:
+    store = dist.PrefixStore(_FALLBACK_PREFIX, dist_opts.store)
+    rank, size, timeout = dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout
+    name = f"{dist_opts.group_id}:{_FALLBACK_PREFIX.rstrip('/')}"
+    ranks = list(dist_opts.global_ranks_in_group)
+    fallbacks = {}
+    if "cpu" in devices and dist.is_gloo_available():
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        gloo.options.global_ranks_in_group = ranks
+        gloo.options.group_name = name
+        fallbacks["cpu"] = gloo
+    if "cuda" in devices and dist.is_nccl_available() and torch.cuda.is_available():
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        opts.global_ranks_in_group = ranks
+        opts.group_name = name
+        fallbacks["cuda"] = dist.ProcessGroupNCCL(store, rank, size, opts)
+    return fallbacks
+
+
+def _create_backend(dist_opts, backend_options):
+    """The extended-API creator c10d calls once per group."""
+    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    devices = list(dist.Backend.backend_capability.get(BACKEND_NAME, DEVICES))
+    executor = _make_executor(store, rank, size, timeout, backend_options)
+    served = [d for d in getattr(executor, "served_devices", []) if d in devices]
+    fallbacks = _make_fallbacks(dist_opts, devices)
+    return _C.ProcessGroupTDist(
+        store, rank, size, timeout, executor, fallbacks, served, devices
+    )
+
+
+def _unwrap(backend):
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a _ProcessGroupWrapper.
+    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+    while wrapper is not None and isinstance(backend, wrapper):
+        backend = backend.wrapped_pg
+    return backend
+
+
+def _tdist_backend(group=None) -> _C.ProcessGroupTDist:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    found = []
+    for device in DEVICES:
+        try:
+            backend = _unwrap(pg._get_backend(torch.device(device)))
+        except RuntimeError:
+            continue
+        if isinstance(backend, _C.ProcessGroupTDist):
+            return backend
+        found.append(f"{device}:{backend.name()}")
+    name = getattr(pg, "group_name", "?")
+    raise ValueError(
+        f"torch_tdist: process group {name!r} is not a tdist group "
+        f"(its backends: {', '.join(found) or 'none'})"
+    )
+
+
+def stats(group=None) -> dict[str, dict[str, int]]:
+    """How many calls of each op tdist served and how many went to the fallback
+    backend: ``{op: {"tdist": n, "fallback": m}}``. ``group=None``: the default group."""
+    return _tdist_backend(group).stats()
+
+
+def reset_stats(group=None) -> None:
+    """Zero the counters of :func:`stats`."""
+    _tdist_backend(group).reset_stats()
+
+
+def get_executor(group=None):
+    """The executor object that runs a tdist group's collectives."""
+    return _tdist_backend(group).executor
