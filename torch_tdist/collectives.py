@@ -72,8 +72,10 @@ class Executor:
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(2 * world, torch.int64)
-        self._stage_offset = heap.alloc(0)
-        self._stage_bytes = heap.nbytes - self._stage_offset
+        # Collectives stage through half of the heap; the other half is for users' own
+        # symmetric buffers (torch_tdist.get_heap(group).empty(...)).
+        self._stage_bytes = heap.nbytes // 2
+        self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64)
         self._heap = heap
 

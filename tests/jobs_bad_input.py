@@ -1,0 +1,108 @@
+"""Jobs for test_bad_input.py: every rank makes the same invalid call."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+R = dist.ReduceOp
+
+
+def _agit_output_too_big(ws):
+    dist.all_gather_into_tensor(torch.empty(ws * 4 + 1), torch.randn(4))
+
+
+def _agit_output_too_small(ws):
+    dist.all_gather_into_tensor(torch.empty(ws * 4 - 1), torch.randn(4))
+
+
+def _rst_output_wrong_size(ws):
+    dist.reduce_scatter_tensor(torch.empty(5), torch.randn(ws * 4))
+
+
+def _rst_indivisible(ws):
+    # 10 input elements cannot be split over 3 ranks; output of 3 (3*3 != 10)
+    assert ws == 3
+    dist.reduce_scatter_tensor(torch.empty(3), torch.randn(10))
+
+
+def _ag_list_too_long(ws):
+    dist.all_gather([torch.empty(4) for _ in range(ws + 1)], torch.randn(4))
+
+
+def _ag_list_too_short(ws):
+    dist.all_gather([torch.empty(4) for _ in range(ws - 1)], torch.randn(4))
+
+
+def _agit_dtype_mismatch(ws):
+    dist.all_gather_into_tensor(torch.empty(ws * 4, dtype=torch.float64), torch.randn(4))
+
+
+def _rst_dtype_mismatch(ws):
+    dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.float16), torch.randn(ws * 4))
+
+
+def _a2a_input_splits_bad_sum(ws):
+    dist.all_to_all_single(torch.empty(ws * 2), torch.randn(ws * 2), [2] * ws, [2] * (ws - 1) + [3])
+
+
+def _a2a_output_splits_bad_sum(ws):
+    dist.all_to_all_single(torch.empty(ws * 2), torch.randn(ws * 2), [1] * ws, [2] * ws)
+
+
+def _a2a_splits_wrong_length(ws):
+    dist.all_to_all_single(torch.empty(ws * 2), torch.randn(ws * 2), [2] * ws, [2] * ws + [0])
+
+
+def _avg_on_int32(ws):
+    dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.AVG)
+
+
+def _band_on_float32(ws):
+    dist.all_reduce(torch.ones(4), op=R.BAND)
+
+
+def _meta_tensor_on_cpu_backend(ws):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    work = backend.allreduce([torch.empty(4, device="meta")])
+    work.wait()
+
+
+CASES = {
+    "agit_output_too_big": _agit_output_too_big,
+    "agit_output_too_small": _agit_output_too_small,
+    "rst_output_wrong_size": _rst_output_wrong_size,
+    "rst_indivisible": _rst_indivisible,
+    "ag_list_too_long": _ag_list_too_long,
+    "ag_list_too_short": _ag_list_too_short,
+    "agit_dtype_mismatch": _agit_dtype_mismatch,
+    "rst_dtype_mismatch": _rst_dtype_mismatch,
+    "a2a_input_splits_bad_sum": _a2a_input_splits_bad_sum,
+    "a2a_output_splits_bad_sum": _a2a_output_splits_bad_sum,
+    "a2a_splits_wrong_length": _a2a_splits_wrong_length,
+    "avg_on_int32": _avg_on_int32,
+    "band_on_float32": _band_on_float32,
+    "meta_tensor_on_cpu_backend": _meta_tensor_on_cpu_backend,
+}
+
+
+def bad_call(rank, ws, case):
+    CASES[case](ws)
+    return "returned without raising"
+
+
+def first_collective(rank, ws):
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def a2a_inconsistent_splits(rank, ws):
+    """Every rank sends 2 rows to every rank, but rank 1 expects 3 rows from rank 0
+    (its own split lists are locally consistent)."""
+    out_splits = [2] * ws
+    if rank == 1:
+        out_splits[0] = 3
+    out = torch.empty(sum(out_splits))
+    dist.all_to_all_single(out, torch.randn(2 * ws), out_splits, [2] * ws)
+    return "returned without raising"

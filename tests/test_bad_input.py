@@ -1,0 +1,104 @@
+"""Invalid calls must raise on EVERY rank, within seconds (never hang).
+
+With every backend: each rank raises some exception within MAX_SECONDS.
+With tdist additionally (tdist-only assertions): the exception is a ValueError
+or TypeError (for the meta-device case also RuntimeError) and its message names
+the op (torch_tdist.stats() op names) and contains "tdist" (case-insensitive).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import jobs_bad_input as J
+from tests.helpers import skip_unless_tdist
+from tests.multiproc import PoolStartError, RankPool, backend_under_test
+
+MAX_SECONDS = 10.0
+VALIDATION = (ValueError, TypeError)
+
+# case -> (op names, one of which the tdist message must contain; exception types tdist may raise;
+#          world sizes)
+EXPECT = {
+    "agit_output_too_big": (["all_gather_into_tensor"], VALIDATION, [2, 3]),
+    "agit_output_too_small": (["all_gather_into_tensor"], VALIDATION, [2, 3]),
+    "rst_output_wrong_size": (["reduce_scatter_tensor"], VALIDATION, [2, 3]),
+    "rst_indivisible": (["reduce_scatter_tensor"], VALIDATION, [3]),
+    "ag_list_too_long": (["all_gather"], VALIDATION, [2, 3]),
+    "ag_list_too_short": (["all_gather"], VALIDATION, [2, 3]),
+    "agit_dtype_mismatch": (["all_gather_into_tensor"], VALIDATION, [2, 3]),
+    "rst_dtype_mismatch": (["reduce_scatter_tensor"], VALIDATION, [2, 3]),
+    "a2a_input_splits_bad_sum": (["all_to_all_single"], VALIDATION, [2, 3]),
+    "a2a_output_splits_bad_sum": (["all_to_all_single"], VALIDATION, [2, 3]),
+    "a2a_splits_wrong_length": (["all_to_all_single"], VALIDATION, [2, 3]),
+    "avg_on_int32": (["all_reduce"], VALIDATION, [2, 3]),
+    "band_on_float32": (["all_reduce"], VALIDATION, [2, 3]),
+    "meta_tensor_on_cpu_backend": (["all_reduce", "allreduce"], VALIDATION + (RuntimeError,), [2, 3]),
+}
+assert set(EXPECT) == set(J.CASES)
+
+PARAMS = [pytest.param(case, ws, id=f"{case}-ws{ws}") for case, (_, _, sizes) in EXPECT.items() for ws in sizes]
+
+
+@pytest.mark.parametrize("case,world_size", PARAMS)
+def test_bad_input_raises_on_every_rank(pool, case, world_size):
+    errors = pool.run_expect_error(J.bad_call, case, max_seconds=MAX_SECONDS, timeout=60)
+    ops, types, _ = EXPECT[case]
+    skip_unless_tdist("exception type and message (op name, \"tdist\")")
+    problems = []
+    for e in errors:
+        if not e.isinstance_of(types):
+            problems.append(f"rank {e.rank}: {e.type_name} is not one of {[t.__name__ for t in types]}: {e.message}")
+        msg = e.message.lower()
+        if "tdist" not in msg:
+            problems.append(f"rank {e.rank}: message does not contain 'tdist': {e.message}")
+        if not any(op in msg for op in ops):
+            problems.append(f"rank {e.rank}: message names none of {ops}: {e.message}")
+    assert not problems, "\n".join(problems) + "\n\n" + errors[0].traceback
+
+
+# ---------------------------------------------------------------------------
+# bad configuration in the environment: needs fresh processes
+
+
+@pytest.mark.tdist_only
+@pytest.mark.parametrize("var,value", [("TDIST_TRANSPORT", "bogus"), ("TDIST_HEAP_SIZE", "banana")])
+def test_bad_env_raises_at_group_creation(var, value):
+    pool = RankPool(2, backend_under_test(), env={var: value}, start_timeout=120,
+                    name=f"RankPool(ws=2, {var}={value})")
+    try:
+        with pytest.raises(PoolStartError) as info:
+            pool.start()
+            # init_process_group succeeded: say whether the first collective raises instead
+            replies = pool.run_raw(J.first_collective, timeout=60)
+            pytest.fail(f"init_process_group did not raise with {var}={value!r}; the first all_reduce "
+                        f"gave: {replies}")
+    finally:
+        pool.shutdown()
+    err = info.value
+    problems = []
+    for r, x in enumerate(err.replies):
+        if x == "ready" or x is None:
+            problems.append(f"rank {r}: no exception reported ({x!r})")
+            continue
+        if x.phase != "init_process_group":
+            problems.append(f"rank {r}: raised during {x.phase}, expected during init_process_group")
+        if not x.isinstance_of(ValueError):
+            problems.append(f"rank {r}: {x.type_name} is not a ValueError: {x.message}")
+        if var not in x.message:
+            problems.append(f"rank {r}: message does not mention {var}: {x.message}")
+    assert not problems, "\n".join(problems) + "\n\n" + str(err)
+
+
+@pytest.mark.tdist_only
+def test_a2a_splits_inconsistent_across_ranks(pool3):
+    """Split sizes that are consistent on each rank but disagree between ranks
+    (rank 1 expects 3 rows from rank 0, which sends 2): the receiving rank must
+    raise, nobody may hang.  The other ranks may return or raise."""
+    replies = pool3.run_raw(J.a2a_inconsistent_splits, timeout=60)  # PoolBroken on a hang
+    kind, err = replies[1]
+    assert kind == "error", f"rank 1 did not raise: {replies}"
+    assert err.isinstance_of(VALIDATION), f"{err.type_name}: {err.message}\n{err.traceback}"
+    msg = err.message.lower()
+    assert "tdist" in msg and "all_to_all_single" in msg, err.message
+    assert err.elapsed_s <= MAX_SECONDS, f"took {err.elapsed_s:.1f} s to raise"
