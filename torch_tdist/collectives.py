@@ -56,7 +56,7 @@ class _Output:
 class Executor:
     """Runs one process group's collectives on its symmetric heap (created on first use)."""
 
-    served_devices = ["cpu"] if language.INTERPRET else []
+    served_devices = ["cpu"] if language.INTERPRET else ["cuda"]
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta, options=None):
         self.transport, self.heap_bytes = heap_options(options)
@@ -65,10 +65,15 @@ class Executor:
         self._epoch = 0
 
     # ---- state -------------------------------------------------------------------------
-    def _ensure_heap(self):
+    def _ensure_heap(self, device: torch.device, op: str):
         if self._heap is not None:
+            if device != self._heap.device:
+                raise ValueError(
+                    f"tdist {op}: tensors are on {device}, but this group's symmetric heap is on "
+                    f"{self._heap.device} (one device per rank and group)")
             return
-        heap = SymmetricHeap(self.store, self.rank, self.world_size, self.heap_bytes, self.timeout)
+        heap = SymmetricHeap(self.store, self.rank, self.world_size, self.heap_bytes, self.timeout,
+                             device=device, transport=self.transport)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(2 * world, torch.int64)
@@ -76,12 +81,19 @@ class Executor:
         # symmetric buffers (torch_tdist.get_heap(group).empty(...)).
         self._stage_bytes = heap.nbytes // 2
         self._stage_offset = heap.alloc(self._stage_bytes)
-        self._empty_header = torch.zeros(1, dtype=torch.int64)
+        self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self._heap = heap
+
+    def _default_device(self) -> torch.device:
+        if self._heap is not None:
+            return self._heap.device
+        if self.served_devices == ["cuda"]:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     @property
     def heap(self) -> SymmetricHeap:
-        self._ensure_heap()
+        self._ensure_heap(self._default_device(), "get_heap")
         return self._heap
 
     def _stage(self, dtype: torch.dtype, numel: int, op: str) -> torch.Tensor:
@@ -93,8 +105,9 @@ class Executor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self._heap.view(self._stage_offset, (self._stage_bytes // itemsize,), dtype)
 
-    def _begin(self) -> int:
-        self._ensure_heap()
+    def _begin(self, op: str, tensor: torch.Tensor | None) -> int:
+        device = self._default_device() if tensor is None else _canonical(tensor.device)
+        self._ensure_heap(device, op)
         self._epoch += 1
         return self._epoch
 
@@ -151,7 +164,7 @@ class Executor:
         self._gather_to_all("all_gather", list(outputs), input)
 
     def _gather_to_all(self, op, targets, input):
-        epoch = self._begin()
+        epoch = self._begin(op, input)
         src = _flat(input)
         self._publish(op, epoch, src)
         out = _Output(targets)
@@ -167,7 +180,7 @@ class Executor:
         self._reduce_scatter("reduce_scatter", output, torch.cat([_flat(t) for t in inputs]), op)
 
     def _reduce_scatter(self, name, output, src, reduce_op):
-        epoch = self._begin()
+        epoch = self._begin(name, output)
         self._publish(name, epoch, src)
         out = _Output([output])
         n = output.numel()
@@ -181,7 +194,7 @@ class Executor:
         self._reduce("reduce", tensor, op, dst=dst)
 
     def _reduce(self, name, tensor, reduce_op, dst):
-        epoch = self._begin()
+        epoch = self._begin(name, tensor)
         src = _flat(tensor)
         self._publish(name, epoch, src)
         out = _Output([tensor])
@@ -198,14 +211,14 @@ class Executor:
                        _flat(input), [row_in * s for s in input_split_sizes])
 
     def all_to_all(self, outputs, inputs):
-        src = torch.cat([_flat(t) for t in inputs]) if inputs else torch.empty(0)
+        src = torch.cat([_flat(t) for t in inputs])
         self._exchange("all_to_all", list(outputs), [t.numel() for t in outputs],
                        src, [t.numel() for t in inputs])
 
     def _exchange(self, op, targets, recv_counts, src, send_counts):
-        epoch = self._begin()
+        epoch = self._begin(op, src)
         send_offsets = _offsets(send_counts)
-        header = torch.tensor(send_offsets + send_counts, dtype=torch.int64)
+        header = torch.tensor(send_offsets + send_counts, dtype=torch.int64, device=src.device)
         self._publish(op, epoch, src, header)
         out = _Output(targets)
         recv_offsets = _offsets(recv_counts)
@@ -215,7 +228,7 @@ class Executor:
         out.finish()
 
     def broadcast(self, tensor, src):
-        epoch = self._begin()
+        epoch = self._begin("broadcast", tensor)
         if self.rank == src:
             self._publish("broadcast", epoch, _flat(tensor))
             self._pull_copy("broadcast", epoch, _flat(tensor), [])
@@ -225,7 +238,7 @@ class Executor:
         out.finish()
 
     def scatter(self, output, inputs, src):
-        epoch = self._begin()
+        epoch = self._begin("scatter", output)
         if self.rank == src:
             self._publish("scatter", epoch, torch.cat([_flat(t) for t in inputs]))
         out = _Output([output])
@@ -234,7 +247,7 @@ class Executor:
         out.finish()
 
     def gather(self, outputs, input, dst):
-        epoch = self._begin()
+        epoch = self._begin("gather", input)
         src = _flat(input)
         self._publish("gather", epoch, src)
         if self.rank != dst:
@@ -246,8 +259,8 @@ class Executor:
         out.finish()
 
     def barrier(self):
-        epoch = self._begin()
-        nothing = torch.empty(0, dtype=torch.uint8)
+        epoch = self._begin("barrier", None)
+        nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
         self._publish("barrier", epoch, nothing)
         self._pull_copy("barrier", epoch, nothing, [(p, 0, 0, 0) for p in range(self.world_size)])
 
@@ -255,6 +268,12 @@ class Executor:
         if self._heap is not None:
             self._heap.close()
             self._heap = None
+
+
+def _canonical(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _offsets(counts):

@@ -4,8 +4,9 @@ Every rank allocates the same sequence of buffers, so an offset names the same b
 every rank. Each rank maps every peer's heap; ``bases[p]`` is where peer ``p``'s heap sits in
 this process, and kernels translate pointers through it (see ``torch_tdist.language``).
 
-Transports: ``shm`` (CPU: POSIX shared memory, one segment per rank). The GPU transports
-(``cuda``: CUDA IPC, ``nvshmem``) are named here so the option is validated in one place.
+Transports: ``shm`` (CPU: POSIX shared memory, one segment per rank) and ``cuda`` (device
+memory shared through CUDA IPC within a node). ``nvshmem`` is named so the option is
+validated in one place; it is not built yet.
 """
 
 import mmap
@@ -48,16 +49,22 @@ def heap_options(options=None) -> tuple[str, int]:
     return transport, nbytes
 
 
-def resolve_transport(transport: str, device_type: str) -> str:
-    if device_type == "cpu":
-        if transport not in ("auto", "shm"):
-            raise ValueError(f"tdist: transport {transport!r} cannot serve CPU tensors; use 'shm'")
-        return "shm"
-    raise ValueError(f"tdist: no symmetric-heap transport for {device_type} tensors in this build")
+def resolve_transport(transport: str, device: torch.device) -> str:
+    """The transport that serves tensors on ``device`` (``transport`` as the user chose it)."""
+    wanted = {"cpu": ("shm",), "cuda": ("cuda",)}.get(device.type, ())
+    if not wanted:
+        raise ValueError(f"tdist: no symmetric-heap transport for {device.type} tensors")
+    if transport == "auto":
+        return wanted[0]
+    if transport not in wanted:
+        raise ValueError(
+            f"tdist: transport {transport!r} cannot serve {device.type} tensors; "
+            f"use {' or '.join(wanted)} (TDIST_TRANSPORT)")
+    return transport
 
 
 class _ShmSegment:
-    """One POSIX shared-memory segment mapped into this process."""
+    """One POSIX shared-memory segment mapped into this process; its handle is its name."""
 
     def __init__(self, path: str, nbytes: int, create: bool):
         flags = os.O_RDWR | os.O_NOFOLLOW | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -71,10 +78,11 @@ class _ShmSegment:
         finally:
             os.close(fd)
         self.path = path
+        self.handle = os.path.basename(path).encode()
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @classmethod
-    def create(cls, nbytes: int) -> "_ShmSegment":
+    def create(cls, nbytes: int, device: torch.device) -> "_ShmSegment":
         path = os.path.join(SHM_DIR, f"tdist-{secrets.token_hex(16)}")
         try:
             return cls(path, nbytes, create=True)
@@ -82,9 +90,12 @@ class _ShmSegment:
             _unlink(path)
             raise
 
-    @property
-    def address(self) -> int:
-        return self.bytes.data_ptr()
+    @classmethod
+    def open(cls, handle: bytes, nbytes: int, device: torch.device) -> "_ShmSegment":
+        return cls(os.path.join(SHM_DIR, handle.decode()), nbytes, create=False)
+
+    def all_peers_mapped(self):
+        _unlink(self.path)  # nothing stays in /dev/shm, whatever happens to the job later
 
     def close(self):
         self.bytes = None
@@ -101,40 +112,112 @@ def _unlink(path: str):
         pass
 
 
+class _CudaSegment:
+    """Device memory shared through CUDA IPC (cuda-python); its handle is the IPC handle."""
+
+    def __init__(self, address: int, nbytes: int, device: torch.device, owned: bool):
+        self._address, self._owned, self.device = address, owned, device
+        self.bytes = torch.as_tensor(_CudaArray(address, nbytes, device), device=device)
+
+    @classmethod
+    def create(cls, nbytes: int, device: torch.device) -> "_CudaSegment":
+        cudart = _cudart(device)
+        address = _check(cudart.cudaMalloc(nbytes), "cudaMalloc")
+        _check(cudart.cudaMemset(address, 0, nbytes), "cudaMemset")
+        segment = cls(address, nbytes, device, owned=True)
+        segment.handle = bytes(_check(cudart.cudaIpcGetMemHandle(address), "cudaIpcGetMemHandle").reserved)
+        return segment
+
+    @classmethod
+    def open(cls, handle: bytes, nbytes: int, device: torch.device) -> "_CudaSegment":
+        cudart = _cudart(device)
+        ipc = cudart.cudaIpcMemHandle_t()
+        ipc.reserved = handle
+        address = _check(cudart.cudaIpcOpenMemHandle(ipc, cudart.cudaIpcMemLazyEnablePeerAccess),
+                         "cudaIpcOpenMemHandle (are the GPUs peer-to-peer capable?)")
+        return cls(address, nbytes, device, owned=False)
+
+    def all_peers_mapped(self):
+        pass
+
+    def close(self):
+        if self.bytes is None:
+            return
+        self.bytes = None
+        torch.cuda.synchronize(self.device)
+        cudart = _cudart(self.device)
+        if self._owned:
+            cudart.cudaFree(self._address)
+        else:
+            cudart.cudaIpcCloseMemHandle(self._address)
+
+
+class _CudaArray:
+    """Lets torch wrap raw device memory without copying (``__cuda_array_interface__``)."""
+
+    def __init__(self, address: int, nbytes: int, device: torch.device):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def _cudart(device: torch.device):
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError as err:
+        raise RuntimeError("tdist: the cuda transport needs cuda-python (pip install cuda-python)") from err
+    _check(cudart.cudaSetDevice(device.index), "cudaSetDevice")
+    return cudart
+
+
+def _check(result, call: str):
+    from cuda.bindings import runtime as cudart
+
+    err, *value = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"tdist: {call} failed: {cudart.cudaGetErrorString(err)[1].decode()}")
+    return value[0] if value else None
+
+
+_SEGMENTS = {"shm": _ShmSegment, "cuda": _CudaSegment}
+
+
 class SymmetricHeap:
     """This rank's view of a group's symmetric heap.
 
-    ``bases``: int64 tensor, peer heap base addresses as mapped here. ``ctx``: the context
-    tensor every tdist kernel takes first (layout in ``torch_tdist.language``).
+    ``bases``: int64 tensor on the heap's device, peer heap base addresses as mapped here.
+    ``ctx``: the context tensor every tdist kernel takes first (layout in
+    ``torch_tdist.language``).
     """
 
     def __init__(self, store, rank: int, world_size: int, nbytes: int,
-                 timeout: timedelta = timedelta(minutes=10), device: str = "cpu",
-                 key: str = "tdist_heap"):
+                 timeout: timedelta = timedelta(minutes=10), device="cpu",
+                 transport: str = "auto", key: str = "tdist_heap"):
         """Collective over the group: every rank calls it with the same ``key``, which must
         be new in ``store`` (the group's store, already private to the group)."""
-        if resolve_transport("auto", torch.device(device).type) != "shm":
-            raise AssertionError("only the shm transport is implemented")
         self.rank, self.world_size, self.nbytes = rank, world_size, nbytes
         self.device = torch.device(device)
-        own = _ShmSegment.create(nbytes)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.transport = resolve_transport(transport, self.device)
+        segment_type = _SEGMENTS[self.transport]
+        own = segment_type.create(nbytes, self.device)
         try:
-            store.set(f"{key}/name/{rank}", os.path.basename(own.path))
+            store.set(f"{key}/handle/{rank}", own.handle)
             self._segments = [
-                own if peer == rank else _ShmSegment(
-                    os.path.join(SHM_DIR, store.get(f"{key}/name/{peer}").decode()), nbytes, create=False)
+                own if peer == rank else segment_type.open(store.get(f"{key}/handle/{peer}"), nbytes, self.device)
                 for peer in range(world_size)
             ]
             store.set(f"{key}/mapped/{rank}", "1")
             store.wait([f"{key}/mapped/{peer}" for peer in range(world_size)])
         finally:
-            _unlink(own.path)  # every peer has it mapped (or we are failing): nothing stays in /dev/shm
-        self.bases = torch.tensor([s.address for s in self._segments], dtype=torch.int64)
-        self.ctx = torch.zeros(language.CTX_BASES + world_size, dtype=torch.int64)
-        self.ctx[language.CTX_RANK] = rank
-        self.ctx[language.CTX_WORLD] = world_size
-        self.ctx[language.CTX_TIMEOUT_MS] = int(timeout.total_seconds() * 1000)
-        self.ctx[language.CTX_BASES:] = self.bases
+            own.all_peers_mapped()  # (or we are failing)
+        addresses = [s.bytes.data_ptr() for s in self._segments]
+        ctx = [0] * language.CTX_BASES + addresses
+        ctx[language.CTX_RANK] = rank
+        ctx[language.CTX_WORLD] = world_size
+        ctx[language.CTX_TIMEOUT_MS] = int(timeout.total_seconds() * 1000)
+        self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
+        self.bases = self.ctx[language.CTX_BASES:]
         self._top = 0
 
     def alloc(self, nbytes: int, align: int = 256) -> int:

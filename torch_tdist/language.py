@@ -163,6 +163,7 @@ else:
         seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
         while seen < value:
             seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()  # one thread acquired; the whole program reads after it
         return seen
 
 

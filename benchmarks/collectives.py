@@ -1,0 +1,130 @@
+"""tdist collectives against NCCL, side by side in one job.
+
+    torchrun --nproc-per-node 4 benchmarks/collectives.py [--sizes 8K,1M,64M] [--out DIR]
+
+The default group is NCCL; a tdist group over the same ranks runs the same calls on the same
+tensors. Each (op, size) is timed with CUDA events: median of ``--iters`` runs after
+``--warmup``. Rank 0 writes ``collectives_<machine>.json`` (and prints a table of ratios).
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402
+from torch_tdist.heap import parse_size  # noqa: E402
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast")
+
+
+def _call(op, group, inp, out):
+    if op == "all_gather":
+        dist.all_gather_into_tensor(out, inp, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, inp, group=group)
+    elif op == "all_reduce":
+        dist.all_reduce(inp, group=group)
+    elif op == "all_to_all_single":
+        dist.all_to_all_single(out, inp, group=group)
+    elif op == "broadcast":
+        dist.broadcast(inp, 0, group=group)
+
+
+def _buffers(op, nbytes, world, device):
+    n = max(nbytes // 2, world) // world * world  # bf16 elements per rank, divisible by world
+    inp = torch.randn(n, device=device).to(torch.bfloat16)
+    if op == "all_gather":
+        return inp, torch.empty(n * world, dtype=torch.bfloat16, device=device)
+    if op == "reduce_scatter":
+        return inp, torch.empty(n // world, dtype=torch.bfloat16, device=device)
+    return inp, torch.empty_like(inp)
+
+
+def _bus_factor(op, world):
+    """nccl-tests' bus bandwidth factor: bytes each rank moves over its links / message bytes."""
+    return {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0}.get(op, (world - 1) / world)
+
+
+def _time(op, group, inp, out, warmup, iters):
+    for _ in range(warmup):
+        _call(op, group, inp, out)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier(group=group)
+        start.record()
+        _call(op, group, inp, out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M", help="bytes per rank")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    tdist_group = dist.new_group(backend="tdist")
+    rows = []
+    for op in args.ops.split(","):
+        for nbytes in (parse_size(s) for s in args.sizes.split(",")):
+            inp, out = _buffers(op, nbytes, world, device)
+            nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
+            before = torch_tdist.stats(tdist_group)
+            tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
+            after = torch_tdist.stats(tdist_group)
+            name = {"all_gather": "all_gather_into_tensor",
+                    "reduce_scatter": "reduce_scatter_tensor"}.get(op, op)
+            served = "tdist" if after[name]["fallback"] == before[name]["fallback"] else "fallback"
+            msg_bytes = inp.numel() * inp.element_size() * (world if op == "all_gather" else 1)
+            factor = _bus_factor(op, world) * msg_bytes / 1e3
+            rows.append({"op": op, "bytes_per_rank": inp.numel() * inp.element_size(),
+                         "world_size": world, "transport": "cuda", "served_by": served,
+                         "tdist_us": round(tdist_us, 2), "nccl_us": round(nccl_us, 2),
+                         "tdist_busbw_gbs": round(factor / tdist_us, 1),
+                         "nccl_busbw_gbs": round(factor / nccl_us, 1)})
+            if rank == 0:
+                r = rows[-1]
+                print(f"{op:<18}{r['bytes_per_rank']:>12}  tdist {r['tdist_us']:>9.1f} us  "
+                      f"nccl {r['nccl_us']:>9.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x",
+                      flush=True)
+    if rank == 0:
+        machine = os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_"))
+        import triton
+
+        result = {"machine": machine, "host": socket.gethostname(),
+                  "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                               "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                               "python": platform.python_version(), "tdist": torch_tdist.__version__},
+                  "method": f"CUDA events, median of {args.iters} after {args.warmup} warm-ups, bf16",
+                  "host_overhead_us": None, "rows": rows}
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"collectives_{machine}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: build the extension against the GPU image's torch, check every collective on
+# GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
+# Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
+#   bash benchmarks/device_run.sh [demo|bench|all]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+what=${1:-all}
+nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
+nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpus.txt" 2>&1
+start=$(date +%s)
+python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+rc=0
+if [ "$what" = demo ] || [ "$what" = all ]; then
+  timeout 300 python -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 torchrun --nproc-per-node "$nproc" \
+    benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+exit $rc
