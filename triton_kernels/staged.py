@@ -36,6 +36,7 @@ def signal_slots(world: int) -> int:
 def _arrive_last(sig, ARRIVE: tl.constexpr):
     """True in exactly one program of the launch: the last one to get here."""
     nprog = tl.num_programs(0) * tl.num_programs(1)
+    tl.debug_barrier()  # every thread's stores happen before the (one-thread) release
     arrived = tl.atomic_add(sig + ARRIVE, 1, sem="acq_rel", scope="gpu")
     last = arrived == nprog - 1
     if last:
