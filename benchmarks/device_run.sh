@@ -12,16 +12,16 @@ what=${1:-all}
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpus.txt" 2>&1
 start=$(date +%s)
-python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 rc=0
 if [ "$what" = demo ] || [ "$what" = all ]; then
-  timeout 300 python -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log"
+  timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 torchrun --nproc-per-node "$nproc" \
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --nproc-per-node "$nproc" \
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
