@@ -150,7 +150,7 @@ class Executor:
     def _check_status(self, op: str):
         status_slot = self._signals[2 * self.world_size + 2:]
         status = int(status_slot[0])
-        if status != staged.STATUS_OK:
+        if status != staged.STATUS_OK.value:
             status_slot.zero_()
             raise ValueError(
                 f"tdist {op}: a peer sends this rank a different number of elements than this "

@@ -212,12 +212,12 @@ class SymmetricHeap:
         finally:
             own.all_peers_mapped()  # (or we are failing)
         addresses = [s.bytes.data_ptr() for s in self._segments]
-        ctx = [0] * language.CTX_BASES + addresses
-        ctx[language.CTX_RANK] = rank
-        ctx[language.CTX_WORLD] = world_size
-        ctx[language.CTX_TIMEOUT_MS] = int(timeout.total_seconds() * 1000)
+        ctx = [0] * language.CTX_BASES.value + addresses
+        ctx[language.CTX_RANK.value] = rank
+        ctx[language.CTX_WORLD.value] = world_size
+        ctx[language.CTX_TIMEOUT_MS.value] = int(timeout.total_seconds() * 1000)
         self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
-        self.bases = self.ctx[language.CTX_BASES:]
+        self.bases = self.ctx[language.CTX_BASES.value:]
         self._top = 0
 
     def alloc(self, nbytes: int, align: int = 256) -> int:

@@ -21,14 +21,18 @@ import time
 import triton
 import triton.language as tl
 
-CTX_RANK = 0
-CTX_WORLD = 1
-CTX_TIMEOUT_MS = 2
-CTX_BASES = 8
+# Layout of the ctx tensor (constexpr so compiled kernels may read them; ``.value`` on the host)
+CTX_RANK = tl.constexpr(0)
+CTX_WORLD = tl.constexpr(1)
+CTX_TIMEOUT_MS = tl.constexpr(2)
+CTX_BASES = tl.constexpr(8)
 
 
 def _decide_interpret() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TDIST_INTERPRET") == "1":
+    forced = os.environ.get("TDIST_INTERPRET")
+    if forced in ("0", "1"):  # 0: compile even without a GPU (ahead-of-time compile checks)
+        return forced == "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return True
     import torch
 
@@ -101,31 +105,34 @@ def store(ctx, ptr, value, peer, mask=None):
 
 
 @jit
-def atomic_add(ctx, ptr, value, peer, sem: tl.constexpr = "acq_rel"):
-    return tl.atomic_add(symm_at(ctx, ptr, peer), value, sem=sem, scope="sys")
+def atomic_add(ctx, ptr, value, peer):
+    """Atomic add on ``peer``'s copy of ``ptr`` (acq_rel, system scope); returns the old value."""
+    return tl.atomic_add(symm_at(ctx, ptr, peer), value, sem="acq_rel", scope="sys")
 
 
 @jit
-def atomic_cas(ctx, ptr, cmp, value, peer, sem: tl.constexpr = "acq_rel"):
-    return tl.atomic_cas(symm_at(ctx, ptr, peer), cmp, value, sem=sem, scope="sys")
+def atomic_cas(ctx, ptr, cmp, value, peer):
+    return tl.atomic_cas(symm_at(ctx, ptr, peer), cmp, value, sem="acq_rel", scope="sys")
 
 
 @jit
-def atomic_xchg(ctx, ptr, value, peer, sem: tl.constexpr = "acq_rel"):
-    return tl.atomic_xchg(symm_at(ctx, ptr, peer), value, sem=sem, scope="sys")
+def atomic_xchg(ctx, ptr, value, peer):
+    return tl.atomic_xchg(symm_at(ctx, ptr, peer), value, sem="acq_rel", scope="sys")
 
 
 @jit
-def notify(ctx, sig, peer, value, op: tl.constexpr = "set"):
+def notify(ctx, sig, peer, value):
     """Release: everything this program stored before is visible to ``peer`` once it sees ``value``.
 
-    ``sig`` is an int64 slot in this rank's heap; the slot of the same offset on ``peer`` is
-    written. ``op`` is "set" (store ``value``) or "add".
+    ``sig`` is an int64 slot in this rank's heap; the slot of the same offset on ``peer`` is set.
     """
-    if op == "add":
-        tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
-    else:
-        tl.atomic_xchg(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
+    tl.atomic_xchg(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
+
+
+@jit
+def notify_add(ctx, sig, peer, value):
+    """Like :func:`notify`, but adds ``value`` to the slot (counting signals)."""
+    tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
 
 
 if INTERPRET:

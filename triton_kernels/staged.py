@@ -24,8 +24,8 @@ import triton.language as tl
 from torch_tdist import language as tdl
 
 # status codes a pull kernel leaves in the status slot for the host to report
-STATUS_OK = 0
-STATUS_SIZE_MISMATCH = 1
+STATUS_OK = tl.constexpr(0)
+STATUS_SIZE_MISMATCH = tl.constexpr(1)
 
 
 def signal_slots(world: int) -> int:
