@@ -3,7 +3,7 @@
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
 #   bash benchmarks/device_run.sh [demo|bench|all]
-set -uo pipefail
+set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
@@ -17,12 +17,10 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
 echo "build: $(( $(date +%s) - start )) s"
 rc=0
 if [ "$what" = demo ] || [ "$what" = all ]; then
-  timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log"
-  rc=$(( rc | ${PIPESTATUS[0]} ))
+  timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --nproc-per-node "$nproc" \
-    benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  rc=$(( rc | ${PIPESTATUS[0]} ))
+    benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 exit $rc

@@ -226,12 +226,31 @@ void checkSingle(Op op, const std::vector<at::Tensor>& ts, const char* what) {
       " (one tensor per process)");
 }
 
+// A tensor's name in messages ("scatter_list[3]"), formatted only when a check fails:
+// validation runs on every call and must not build strings.
+struct Name {
+  Name(const char* base, int64_t i = -1, int64_t j = -1) : base(base), i(i), j(j) {}
+  const char* base;
+  int64_t i, j;
+};
+
+std::ostream& operator<<(std::ostream& os, const Name& name) {
+  os << name.base;
+  if (name.i >= 0) {
+    os << "[" << name.i << "]";
+  }
+  if (name.j >= 0) {
+    os << "[" << name.j << "]";
+  }
+  return os;
+}
+
 void checkSameDtype(
     Op op,
     const at::Tensor& ref,
     const char* refName,
     const at::Tensor& t,
-    const std::string& name) {
+    const Name& name) {
   TORCH_CHECK_TYPE(
       t.scalar_type() == ref.scalar_type(),
       prefix(op),
@@ -250,7 +269,7 @@ void checkSameDevice(
     const at::Tensor& ref,
     const char* refName,
     const at::Tensor& t,
-    const std::string& name) {
+    const Name& name) {
   TORCH_CHECK_VALUE(
       t.device() == ref.device(),
       prefix(op),
@@ -269,7 +288,7 @@ void checkLike(
     const at::Tensor& ref,
     const char* refName,
     const at::Tensor& t,
-    const std::string& name) {
+    const Name& name) {
   checkSameDtype(op, ref, refName, t, name);
   checkSameDevice(op, ref, refName, t, name);
 }
@@ -282,7 +301,7 @@ void checkListLike(
     const at::Tensor& ref,
     const char* refName) {
   for (size_t i = 0; i < list.size(); ++i) {
-    std::string name = c10::str(listName, "[", i, "]");
+    Name name(listName, static_cast<int64_t>(i));
     checkLike(op, ref, refName, list[i], name);
     TORCH_CHECK_VALUE(
         list[i].numel() == ref.numel(),
@@ -849,7 +868,7 @@ WorkPtr ProcessGroupTDist::allgather_coalesced(
         " (one per input)");
     for (size_t j = 0; j < inputs.size(); ++j) {
       const auto& out = outputLists[r][j];
-      std::string name = c10::str("output_tensor_lists[", r, "][", j, "]");
+      Name name("output_tensor_lists", static_cast<int64_t>(r), static_cast<int64_t>(j));
       checkLike(op, inputs[j], "its input", out, name);
       TORCH_CHECK_VALUE(
           out.numel() == inputs[j].numel(),
@@ -1057,12 +1076,9 @@ WorkPtr ProcessGroupTDist::alltoall(
   const auto& ref = inputs[0];
   checkDevice(op, ref, "input");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    checkLike(
-        op, ref, "input_tensor_list[0]", inputs[i], c10::str(
-            "input_tensor_list[", i, "]"));
-    checkLike(
-        op, ref, "input_tensor_list[0]", outputs[i], c10::str(
-            "output_tensor_list[", i, "]"));
+    auto index = static_cast<int64_t>(i);
+    checkLike(op, ref, "input_tensor_list[0]", inputs[i], Name("input_tensor_list", index));
+    checkLike(op, ref, "input_tensor_list[0]", outputs[i], Name("output_tensor_list", index));
   }
   if (routeMovement(ref) == Route::Fallback) {
     count(op, Route::Fallback);

@@ -124,12 +124,24 @@ def _rank_main(rank, world, store_path, device_kind, results):
     dist.destroy_process_group()
 
 
+def _join_or_stop_all(procs):
+    """Wait for every rank; once one fails, stop the others (they would wait for it)."""
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="number of local ranks")
     args = parser.parse_args(argv)
     world = args.nproc
     device_kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    print(f"tdist demo: starting {world} ranks on {device_kind}", flush=True)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,8 +150,7 @@ def main(argv=None) -> int:
                  for r in range(world)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
+        _join_or_stop_all(procs)
         failed_procs = [r for r, p in enumerate(procs) if p.exitcode != 0]
         per_rank = dict(results.get() for _ in range(world - len(failed_procs)))
         stats = {r: per_rank[r][1] for r in per_rank}
@@ -147,7 +158,6 @@ def main(argv=None) -> int:
     if failed_procs:
         print(f"ranks {failed_procs} failed", file=sys.stderr)
         return 1
-    print(f"tdist demo: {world} ranks on {device_kind}")
     print(f"{'op':<24}{'dtype':<10}{'bytes/rank':>12}  {'result':<8}{'ms (median)':>12}")
     all_ok = True
     for i, (op, dtype, nbytes, _, ms) in enumerate(per_rank[0]):
