@@ -13,6 +13,7 @@ import os
 import platform
 import socket
 import statistics
+import time
 
 for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                      "NVSHMEM_DISABLE_NVLS": "1"}.items():
@@ -71,6 +72,20 @@ def _time(op, group, inp, out, warmup, iters):
     return statistics.median(times)
 
 
+def _host_overhead_us(group, device, calls=500):
+    """CPU microseconds per 4 KB all_reduce when many are issued back to back."""
+    x = torch.randn(1024, device=device)
+    for _ in range(20):
+        dist.all_reduce(x, group=group)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(x, group=group)
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / calls * 1e6
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M", help="bytes per rank")
@@ -85,6 +100,10 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=device)
     tdist_group = dist.new_group(backend="tdist")
+    overhead = {"tdist": round(_host_overhead_us(tdist_group, device), 1),
+                "nccl": round(_host_overhead_us(None, device), 1)}
+    if rank == 0:
+        print(f"host overhead per 4 KB all_reduce: tdist {overhead['tdist']} us, nccl {overhead['nccl']} us")
     rows = []
     for op in args.ops.split(","):
         for nbytes in (parse_size(s) for s in args.sizes.split(",")):
@@ -117,7 +136,7 @@ def main():
                                "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                                "python": platform.python_version(), "tdist": torch_tdist.__version__},
                   "method": f"CUDA events, median of {args.iters} after {args.warmup} warm-ups, bf16",
-                  "host_overhead_us": None, "rows": rows}
+                  "host_overhead_us": overhead, "rows": rows}
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"collectives_{machine}.json")
         with open(path, "w") as f:

@@ -14,8 +14,10 @@ from . import language
 from .heap import SymmetricHeap, heap_options
 from .triton_kernels import staged
 
-BLOCK = 8192 if language.INTERPRET else 2048
-PROGRAMS = 1 if language.INTERPRET else 64
+# Elements one program moves per loop step, and the most programs a launch gets. The
+# interpreter runs programs one after another, so there one program with wide steps is fastest.
+BLOCK = 8192 if language.INTERPRET else 4096
+MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 
 _ACCUMULATOR = {
     torch.float16: tl.float32,
@@ -63,6 +65,8 @@ class Executor:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._heap = None
         self._epoch = 0
+        self._stage_views = {}
+        self._segment_tables = {}
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -97,13 +101,26 @@ class Executor:
         return self._heap
 
     def _stage(self, dtype: torch.dtype, numel: int, op: str) -> torch.Tensor:
-        size = numel * torch.empty((), dtype=dtype).element_size()
-        if size > self._stage_bytes:
+        if numel * dtype.itemsize > self._stage_bytes:
             raise ValueError(
-                f"tdist {op}: {size} bytes to stage but the symmetric heap holds {self._stage_bytes}; "
-                f"raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self._heap.view(self._stage_offset, (self._stage_bytes // itemsize,), dtype)
+                f"tdist {op}: {numel * dtype.itemsize} bytes to stage but the symmetric heap "
+                f"holds {self._stage_bytes}; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        view = self._stage_views.get(dtype)
+        if view is None:
+            view = self._heap.view(self._stage_offset, (self._stage_bytes // dtype.itemsize,), dtype)
+            self._stage_views[dtype] = view
+        return view
+
+    def _segments(self, segments, device) -> torch.Tensor:
+        """The segment table on the device; cached, so a repeated op costs no copy."""
+        key = tuple(segments)
+        table = self._segment_tables.get(key)
+        if table is None:
+            if len(self._segment_tables) >= 256:
+                self._segment_tables.clear()
+            table = torch.tensor(segments, dtype=torch.int64, device=device)
+            self._segment_tables[key] = table
+        return table
 
     def _begin(self, op: str, tensor: torch.Tensor | None) -> int:
         device = self._default_device() if tensor is None else _canonical(tensor.device)
@@ -115,16 +132,18 @@ class Executor:
     def _publish(self, op: str, epoch: int, src: torch.Tensor, header: torch.Tensor | None = None):
         stage = self._stage(src.dtype, src.numel(), op)
         hdr_src = self._empty_header if header is None else header
-        self._launch(op, staged.publish_kernel, (PROGRAMS,),
+        self._launch(op, staged.publish_kernel, (_programs(src.numel()),),
                      self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
                      0 if header is None else header.numel(), self._signals, epoch,
                      WORLD=self.world_size, BLOCK=BLOCK)
 
     def _pull_copy(self, op: str, epoch: int, out: torch.Tensor, segments, from_header=False):
         segments = list(segments) or [(self.rank, 0, 0, 0)]  # still signals done
-        segs = torch.tensor(segments, dtype=torch.int64, device=out.device)
+        segs = self._segments(segments, out.device)
         stage = self._stage(out.dtype, 0, op)
-        self._launch(op, staged.pull_copy_kernel, (PROGRAMS, len(segments)),
+        longest = max(s[3] for s in segments)
+        grid = (_programs(longest, per=len(segments)), len(segments))
+        self._launch(op, staged.pull_copy_kernel, grid,
                      self._heap.ctx, stage, self._header, out, segs, self._signals, epoch,
                      WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header)
         if from_header:
@@ -132,7 +151,7 @@ class Executor:
 
     def _pull_reduce(self, op: str, epoch: int, out: torch.Tensor, src_offset: int, n: int, reduce_op: str):
         stage = self._stage(out.dtype, 0, op)
-        self._launch(op, staged.pull_reduce_kernel, (PROGRAMS,),
+        self._launch(op, staged.pull_reduce_kernel, (_programs(n),),
                      self._heap.ctx, stage, out, src_offset, n, self._signals, epoch,
                      WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
 
@@ -266,8 +285,15 @@ class Executor:
 
     def close(self):
         if self._heap is not None:
+            self._stage_views.clear()
+            self._segment_tables.clear()
             self._heap.close()
             self._heap = None
+
+
+def _programs(numel: int, per: int = 1) -> int:
+    """Programs for a launch that moves ``numel`` elements (``per``: launches share the budget)."""
+    return max(1, min(-(-numel // BLOCK), MAX_PROGRAMS // per))
 
 
 def _canonical(device: torch.device) -> torch.device:
