@@ -25,6 +25,8 @@ ACC = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.fl
 
 
 def specialisations():
+    yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
+                             "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):
         for dt in DTYPES:
             yield staged.publish_kernel, {
@@ -46,6 +48,27 @@ def specialisations():
                     "sig": "*i64", "epoch": "i64", "WORLD": "constexpr", "BLOCK": "constexpr",
                     "OP": "constexpr", "ACC": "constexpr"}, {"WORLD": world, "BLOCK": 2048, "OP": op,
                                                             "ACC": ACC[dt]}
+
+
+@tdl.jit
+def _every_primitive(ctx, buf, sig, n, epoch, BLOCK: tl.constexpr):
+    """Not run: makes sure each device primitive compiles, default arguments included."""
+    me = tdl.rank(ctx)
+    peer = (me + 1) % tdl.num_ranks(ctx)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tdl.load(ctx, buf + offs, peer, mask=mask, other=0.0)
+    tdl.store(ctx, buf + BLOCK + offs, x, peer, mask=mask)
+    tdl.store(ctx, buf + 2 * BLOCK + offs, tdl.load(ctx, buf + offs, peer), peer)
+    tdl.atomic_add(ctx, sig + 1, 1, peer)
+    tdl.atomic_cas(ctx, sig + 2, 0, 1, peer)
+    tdl.atomic_xchg(ctx, sig + 3, 1, peer)
+    tdl.notify_add(ctx, sig + 4, peer, 1)
+    tdl.notify(ctx, sig, peer, epoch)
+    token = tdl.wait(ctx, sig, epoch)
+    ptr = tdl.consume_token(buf, token)
+    tdl.putmem_block(ctx, ptr + 3 * BLOCK, ptr, n, peer, BLOCK)
+    tdl.getmem_block(ctx, ptr + 4 * BLOCK, ptr, n, peer, BLOCK)
 
 
 def main(arch: int = 90) -> int:

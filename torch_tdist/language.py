@@ -112,7 +112,9 @@ def atomic_add(ctx, ptr, value, peer):
 
 @jit
 def atomic_cas(ctx, ptr, cmp, value, peer):
-    return tl.atomic_cas(symm_at(ctx, ptr, peer), cmp, value, sem="acq_rel", scope="sys")
+    target = symm_at(ctx, ptr, peer)
+    kind = target.dtype.element_ty
+    return tl.atomic_cas(target, tl.cast(cmp, kind), tl.cast(value, kind), sem="acq_rel", scope="sys")
 
 
 @jit

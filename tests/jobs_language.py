@@ -1,0 +1,54 @@
+"""Jobs for test_language.py: every device primitive in a user kernel, on the interpreter."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton.language as tl
+
+import torch_tdist
+from torch_tdist import language as tdl
+
+
+@tdl.jit
+def _ring_exchange(ctx, mine, inbox, pulled, slots, olds, sig, n, epoch, BLOCK: tl.constexpr):
+    me = tdl.rank(ctx)
+    world = tdl.num_ranks(ctx)
+    right = (me + 1) % world
+    left = (me + world - 1) % world
+    tdl.putmem_block(ctx, inbox, mine, n, right, BLOCK)          # mine -> right's inbox
+    tdl.atomic_add(ctx, slots, me + 1, right)                      # right's slots[0] += me + 1
+    tl.store(olds, tdl.atomic_cas(ctx, slots + 1, 0, me + 7, right))  # right's slots[1]: 0 -> me + 7
+    tl.store(olds + 1, tdl.atomic_xchg(ctx, slots + 2, me + 3, right))  # right's slots[2] = me + 3
+    tdl.notify_add(ctx, slots + 3, right, 5)                       # right's slots[3] += 5
+    tdl.notify(ctx, sig, right, epoch)
+    token = tdl.wait(ctx, sig, epoch)                              # left's puts have landed
+    src = tdl.consume_token(mine, token)
+    tdl.getmem_block(ctx, pulled, src, n, left, BLOCK)             # left's mine -> pulled
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    peek = tdl.load(ctx, mine + offs, left, mask=mask, other=0.0)  # left's mine, again
+    tdl.store(ctx, pulled + n + offs, peek, me, mask=mask)         # "remote" store to myself
+
+
+def every_primitive(rank, ws, seed):
+    heap = torch_tdist.get_heap()
+    n = 300
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(seed + r)) for r in range(ws)]
+    mine, inbox, pulled = heap.empty(n, torch.float32), heap.empty(n, torch.float32), heap.empty(2 * n, torch.float32)
+    slots, sig = heap.empty(4, torch.int64), heap.empty(1, torch.int64)
+    olds = torch.full((2,), -1, dtype=torch.int64)
+    mine.copy_(xs[rank])
+    inbox.fill_(float("nan"))
+    pulled.fill_(float("nan"))
+    slots.zero_()
+    dist.barrier()  # every rank's buffers are filled before any peer touches them
+    _ring_exchange[(1,)](heap.ctx, mine, inbox, pulled, slots, olds, sig, n, 1, BLOCK=512)
+    dist.barrier()  # every rank's atomics on my slots are done
+    left = (rank - 1) % ws
+    assert torch.equal(inbox, xs[left]), "putmem_block did not deliver the left neighbour's data"
+    assert torch.equal(pulled[:n], xs[left]), "getmem_block did not fetch the left neighbour's data"
+    assert torch.equal(pulled[n:], xs[left]), "load/store with a peer did not move the data"
+    assert slots.tolist() == [left + 1, left + 7, left + 3, 5], f"atomics on this rank's slots: {slots.tolist()}"
+    assert olds.tolist() == [0, 0], f"atomic_cas/atomic_xchg returned {olds.tolist()}, expected the old zeros"
+    assert int(sig[0]) == 1, "notify did not set the signal"

@@ -1,0 +1,12 @@
+"""Every primitive of torch_tdist.language in one user kernel, across real processes."""
+
+import pytest
+
+from tests import jobs_language as J
+from tests.helpers import ws_param
+
+
+@pytest.mark.tdist_only
+@ws_param()
+def test_every_primitive(pool, seed):
+    pool.run(J.every_primitive, seed)
