@@ -1121,6 +1121,38 @@ WorkPtr ProcessGroupTDist::barrier(const c10d::BarrierOptions& opts) {
   return finishWork(work, op);
 }
 
+// The root's tensor list of scatter/gather, checked against `ref`; other ranks pass none.
+std::vector<at::Tensor> ProcessGroupTDist::rootList(
+    Op op,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    int64_t root,
+    const char* rootName,
+    const char* listName,
+    const at::Tensor& ref,
+    const char* refName) const {
+  if (rank_ != root) {
+    TORCH_CHECK_VALUE(
+        lists.empty() || (lists.size() == 1 && lists[0].empty()),
+        prefix(op),
+        listName,
+        " must be empty on ranks other than ",
+        rootName);
+    return {};
+  }
+  TORCH_CHECK_VALUE(
+      lists.size() == 1,
+      prefix(op),
+      "the ",
+      rootName,
+      " rank needs one ",
+      listName,
+      ", got ",
+      lists.size());
+  checkGroupSize(op, lists[0].size(), listName, " on the root rank");
+  checkListLike(op, lists[0], listName, ref, refName);
+  return lists[0];
+}
+
 WorkPtr ProcessGroupTDist::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
@@ -1130,22 +1162,8 @@ WorkPtr ProcessGroupTDist::scatter(
   const auto& output = outputs[0];
   checkDevice(op, output, "output");
   checkRoot(op, opts.rootRank, "src");
-  std::vector<at::Tensor> scatterList;
-  if (rank_ == opts.rootRank) {
-    TORCH_CHECK_VALUE(
-        inputs.size() == 1,
-        prefix(op),
-        "the src rank needs one scatter_list, got ",
-        inputs.size());
-    scatterList = inputs[0];
-    checkGroupSize(op, scatterList.size(), "scatter_list", " on the src rank");
-    checkListLike(op, scatterList, "scatter_list", output, "output");
-  } else {
-    TORCH_CHECK_VALUE(
-        inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-        prefix(op),
-        "scatter_list must be empty on ranks other than src");
-  }
+  auto scatterList =
+      rootList(op, inputs, opts.rootRank, "src", "scatter_list", output, "output");
   if (routeMovement(output) == Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, output.device().type())
@@ -1165,22 +1183,8 @@ WorkPtr ProcessGroupTDist::gather(
   const auto& input = inputs[0];
   checkDevice(op, input, "input");
   checkRoot(op, opts.rootRank, "dst");
-  std::vector<at::Tensor> gatherList;
-  if (rank_ == opts.rootRank) {
-    TORCH_CHECK_VALUE(
-        outputs.size() == 1,
-        prefix(op),
-        "the dst rank needs one gather_list, got ",
-        outputs.size());
-    gatherList = outputs[0];
-    checkGroupSize(op, gatherList.size(), "gather_list", " on the dst rank");
-    checkListLike(op, gatherList, "gather_list", input, "input");
-  } else {
-    TORCH_CHECK_VALUE(
-        outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-        prefix(op),
-        "gather_list must be empty on ranks other than dst");
-  }
+  auto gatherList =
+      rootList(op, outputs, opts.rootRank, "dst", "gather_list", input, "input");
   if (routeMovement(input) == Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, input.device().type())

@@ -222,6 +222,14 @@ class ProcessGroupTDist : public c10d::Backend {
   // Validation; every failure names the op.
   void checkDevice(Op op, const at::Tensor& t, const char* what) const;
   void checkRoot(Op op, int64_t root, const char* what) const;
+  std::vector<at::Tensor> rootList(
+      Op op,
+      const std::vector<std::vector<at::Tensor>>& lists,
+      int64_t root,
+      const char* rootName,
+      const char* listName,
+      const at::Tensor& ref,
+      const char* refName) const;
   void checkGroupSize(
       Op op,
       size_t got,
