@@ -5,6 +5,7 @@ hands each served op to an :class:`Executor` method of the same name as torch.di
 function. Every op is the publish/pull pair of ``triton_kernels/staged.py``.
 """
 
+import os
 from datetime import timedelta
 
 import torch
@@ -58,9 +59,11 @@ class _Output:
 class Executor:
     """Runs one process group's collectives on its symmetric heap (created on first use)."""
 
-    served_devices = ["cpu"] if language.INTERPRET else ["cuda"]
-
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta, options=None):
+        # GPU kernels are correct but not yet faster than NCCL, so CUDA tensors go to NCCL
+        # unless TDIST_GPU_KERNELS=1 asks for tdist's kernels (the demo and benchmarks do).
+        gpu_kernels = os.environ.get("TDIST_GPU_KERNELS") == "1"
+        self.served_devices = ["cpu"] if language.INTERPRET else ["cuda"] if gpu_kernels else []
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._heap = None
