@@ -31,22 +31,22 @@ def specialisations():
         for dt in DTYPES:
             yield staged.publish_kernel, {
                 "ctx": "*i64", "src": f"*{dt}", "stage": f"*{dt}", "n": "i64", "hdr_src": "*i64",
-                "hdr": "*i64", "n_hdr": "i64", "sig": "*i64", "epoch": "i64",
-                "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 2048}
-            for from_header in (False, True):
+                "hdr": "*i64", "n_hdr": "i64", "sig": "*i64",
+                "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 4096}
+            for from_header, align in ((False, 1), (False, 16), (True, 1)):
                 yield staged.pull_copy_kernel, {
                     "ctx": "*i64", "stage": f"*{dt}", "hdr": "*i64", "out": f"*{dt}", "segs": "*i64",
-                    "sig": "*i64", "epoch": "i64", "WORLD": "constexpr", "BLOCK": "constexpr",
-                    "SRC_FROM_HEADER": "constexpr"}, {"WORLD": world, "BLOCK": 2048,
-                                                      "SRC_FROM_HEADER": from_header}
+                    "sig": "*i64", "WORLD": "constexpr", "BLOCK": "constexpr",
+                    "SRC_FROM_HEADER": "constexpr", "ALIGN": "constexpr"}, {
+                        "WORLD": world, "BLOCK": 4096, "SRC_FROM_HEADER": from_header, "ALIGN": align}
         for dt in REDUCIBLE:
             for op in ("sum", "avg", "max", "min", "product"):
                 if op == "avg" and dt.startswith("i"):
                     continue
                 yield staged.pull_reduce_kernel, {
                     "ctx": "*i64", "stage": f"*{dt}", "out": f"*{dt}", "src_off": "i64", "n": "i64",
-                    "sig": "*i64", "epoch": "i64", "WORLD": "constexpr", "BLOCK": "constexpr",
-                    "OP": "constexpr", "ACC": "constexpr"}, {"WORLD": world, "BLOCK": 2048, "OP": op,
+                    "sig": "*i64", "WORLD": "constexpr", "BLOCK": "constexpr",
+                    "OP": "constexpr", "ACC": "constexpr"}, {"WORLD": world, "BLOCK": 4096, "OP": op,
                                                             "ACC": ACC[dt]}
 
 
@@ -71,6 +71,28 @@ def _every_primitive(ctx, buf, sig, n, epoch, BLOCK: tl.constexpr):
     tdl.getmem_block(ctx, ptr + 4 * BLOCK, ptr, n, peer, BLOCK)
 
 
+def _aligned(signature):
+    """Triton's attrs saying every pointer and integer argument is 16-divisible (as at run time
+    for aligned tensors and sizes)."""
+    return {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values())
+            if ty.startswith("*") or ty == "i64"}
+
+
+def check_wide_accesses(target):
+    """The data-moving loops use 16-byte loads and stores (bf16, aligned operands)."""
+    checked = 0
+    for kernel, signature, constexprs in specialisations():
+        wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in signature.get("out", signature.get("src", ""))
+        if kernel is _every_primitive or not wanted:
+            continue
+        ptx = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=_aligned(signature)),
+                             target=target).asm["ptx"]
+        for op in ("ld.global.v4", "st.global.v4"):
+            assert op in ptx, f"{kernel.__name__} {constexprs}: no {op} in the PTX (accesses not vectorised)"
+        checked += 1
+    assert checked >= 3 * 2, f"only {checked} kernels checked for wide accesses"
+
+
 def main(arch: int = 90) -> int:
     assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
     target = GPUTarget("cuda", arch, 32)
@@ -79,7 +101,8 @@ def main(arch: int = 90) -> int:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target)
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
         count += 1
-    print(f"compiled {count} kernel specialisations for sm_{arch}")
+    check_wide_accesses(target)
+    print(f"compiled {count} kernel specialisations for sm_{arch}; data loops use 16-byte accesses")
     return 0
 
 

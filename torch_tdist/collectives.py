@@ -67,7 +67,6 @@ class Executor:
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._heap = None
-        self._epoch = 0
         self._stage_views = {}
         self._segment_tables = {}
 
@@ -125,37 +124,38 @@ class Executor:
             self._segment_tables[key] = table
         return table
 
-    def _begin(self, op: str, tensor: torch.Tensor | None) -> int:
+    def _begin(self, op: str, tensor: torch.Tensor | None):
         device = self._default_device() if tensor is None else _canonical(tensor.device)
         self._ensure_heap(device, op)
-        self._epoch += 1
-        return self._epoch
 
     # ---- the two phases ----------------------------------------------------------------
-    def _publish(self, op: str, epoch: int, src: torch.Tensor, header: torch.Tensor | None = None):
+    def _publish(self, op: str, src: torch.Tensor, header: torch.Tensor | None = None):
         stage = self._stage(src.dtype, src.numel(), op)
         hdr_src = self._empty_header if header is None else header
         self._launch(op, staged.publish_kernel, (_programs(src.numel()),),
                      self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
-                     0 if header is None else header.numel(), self._signals, epoch,
+                     0 if header is None else header.numel(), self._signals,
                      WORLD=self.world_size, BLOCK=BLOCK)
 
-    def _pull_copy(self, op: str, epoch: int, out: torch.Tensor, segments, from_header=False):
+    def _pull_copy(self, op: str, out: torch.Tensor, segments, from_header=False):
         segments = list(segments) or [(self.rank, 0, 0, 0)]  # still signals done
         segs = self._segments(segments, out.device)
         stage = self._stage(out.dtype, 0, op)
         longest = max(s[3] for s in segments)
         grid = (_programs(longest, per=len(segments)), len(segments))
+        vector = max(16 // out.element_size(), 1)  # elements in a 16-byte access
+        aligned = not from_header and all(v % vector == 0 for s in segments for v in s[1:])
         self._launch(op, staged.pull_copy_kernel, grid,
-                     self._heap.ctx, stage, self._header, out, segs, self._signals, epoch,
-                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header)
+                     self._heap.ctx, stage, self._header, out, segs, self._signals,
+                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header,
+                     ALIGN=vector if aligned else 1)
         if from_header:
             self._check_status(op)
 
-    def _pull_reduce(self, op: str, epoch: int, out: torch.Tensor, src_offset: int, n: int, reduce_op: str):
+    def _pull_reduce(self, op: str, out: torch.Tensor, src_offset: int, n: int, reduce_op: str):
         stage = self._stage(out.dtype, 0, op)
         self._launch(op, staged.pull_reduce_kernel, (_programs(n),),
-                     self._heap.ctx, stage, out, src_offset, n, self._signals, epoch,
+                     self._heap.ctx, stage, out, src_offset, n, self._signals,
                      WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
@@ -186,13 +186,13 @@ class Executor:
         self._gather_to_all("all_gather", list(outputs), input)
 
     def _gather_to_all(self, op, targets, input):
-        epoch = self._begin(op, input)
+        self._begin(op, input)
         src = _flat(input)
-        self._publish(op, epoch, src)
+        self._publish(op, src)
         out = _Output(targets)
         n = src.numel()
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        self._pull_copy(op, epoch, out.flat, [(p, 0, p * n, n) for p in order])
+        self._pull_copy(op, out.flat, [(p, 0, p * n, n) for p in order])
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -202,11 +202,11 @@ class Executor:
         self._reduce_scatter("reduce_scatter", output, torch.cat([_flat(t) for t in inputs]), op)
 
     def _reduce_scatter(self, name, output, src, reduce_op):
-        epoch = self._begin(name, output)
-        self._publish(name, epoch, src)
+        self._begin(name, output)
+        self._publish(name, src)
         out = _Output([output])
         n = output.numel()
-        self._pull_reduce(name, epoch, out.flat, self.rank * n, n, reduce_op)
+        self._pull_reduce(name, out.flat, self.rank * n, n, reduce_op)
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -216,12 +216,12 @@ class Executor:
         self._reduce("reduce", tensor, op, dst=dst)
 
     def _reduce(self, name, tensor, reduce_op, dst):
-        epoch = self._begin(name, tensor)
+        self._begin(name, tensor)
         src = _flat(tensor)
-        self._publish(name, epoch, src)
+        self._publish(name, src)
         out = _Output([tensor])
         n = src.numel() if dst is None or dst == self.rank else 0
-        self._pull_reduce(name, epoch, out.flat, 0, n, reduce_op)
+        self._pull_reduce(name, out.flat, 0, n, reduce_op)
         if n:
             out.finish()
 
@@ -238,53 +238,53 @@ class Executor:
                        src, [t.numel() for t in inputs])
 
     def _exchange(self, op, targets, recv_counts, src, send_counts):
-        epoch = self._begin(op, src)
+        self._begin(op, src)
         send_offsets = _offsets(send_counts)
         header = torch.tensor(send_offsets + send_counts, dtype=torch.int64, device=src.device)
-        self._publish(op, epoch, src, header)
+        self._publish(op, src, header)
         out = _Output(targets)
         recv_offsets = _offsets(recv_counts)
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        self._pull_copy(op, epoch, out.flat,
+        self._pull_copy(op, out.flat,
                         [(p, 0, recv_offsets[p], recv_counts[p]) for p in order], from_header=True)
         out.finish()
 
     def broadcast(self, tensor, src):
-        epoch = self._begin("broadcast", tensor)
+        self._begin("broadcast", tensor)
         if self.rank == src:
-            self._publish("broadcast", epoch, _flat(tensor))
-            self._pull_copy("broadcast", epoch, _flat(tensor), [])
+            self._publish("broadcast", _flat(tensor))
+            self._pull_copy("broadcast", _flat(tensor), [])
             return
         out = _Output([tensor])
-        self._pull_copy("broadcast", epoch, out.flat, [(src, 0, 0, tensor.numel())])
+        self._pull_copy("broadcast", out.flat, [(src, 0, 0, tensor.numel())])
         out.finish()
 
     def scatter(self, output, inputs, src):
-        epoch = self._begin("scatter", output)
+        self._begin("scatter", output)
         if self.rank == src:
-            self._publish("scatter", epoch, torch.cat([_flat(t) for t in inputs]))
+            self._publish("scatter", torch.cat([_flat(t) for t in inputs]))
         out = _Output([output])
         n = output.numel()
-        self._pull_copy("scatter", epoch, out.flat, [(src, self.rank * n, 0, n)])
+        self._pull_copy("scatter", out.flat, [(src, self.rank * n, 0, n)])
         out.finish()
 
     def gather(self, outputs, input, dst):
-        epoch = self._begin("gather", input)
+        self._begin("gather", input)
         src = _flat(input)
-        self._publish("gather", epoch, src)
+        self._publish("gather", src)
         if self.rank != dst:
-            self._pull_copy("gather", epoch, src, [])
+            self._pull_copy("gather", src, [])
             return
         out = _Output(list(outputs))
         n = src.numel()
-        self._pull_copy("gather", epoch, out.flat, [(p, 0, p * n, n) for p in range(self.world_size)])
+        self._pull_copy("gather", out.flat, [(p, 0, p * n, n) for p in range(self.world_size)])
         out.finish()
 
     def barrier(self):
-        epoch = self._begin("barrier", None)
+        self._begin("barrier", None)
         nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
-        self._publish("barrier", epoch, nothing)
-        self._pull_copy("barrier", epoch, nothing, [(p, 0, 0, 0) for p in range(self.world_size)])
+        self._publish("barrier", nothing)
+        self._pull_copy("barrier", nothing, [(p, 0, 0, 0) for p in range(self.world_size)])
 
     def close(self):
         if self._heap is not None:

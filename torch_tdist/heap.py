@@ -212,6 +212,8 @@ class SymmetricHeap:
         finally:
             own.all_peers_mapped()  # (or we are failing)
         addresses = [s.bytes.data_ptr() for s in self._segments]
+        if any(a % language.HEAP_ALIGN for a in addresses):
+            raise RuntimeError(f"tdist: a heap segment is not {language.HEAP_ALIGN}-byte aligned")
         ctx = [0] * language.CTX_BASES.value + addresses
         ctx[language.CTX_RANK.value] = rank
         ctx[language.CTX_WORLD.value] = world_size

@@ -21,6 +21,8 @@ import time
 import triton
 import triton.language as tl
 
+HEAP_ALIGN = 256  # bytes; every heap base is a multiple of it (symm_at relies on it)
+
 # Layout of the ctx tensor (constexpr so compiled kernels may read them; ``.value`` on the host)
 CTX_RANK = tl.constexpr(0)
 CTX_WORLD = tl.constexpr(1)
@@ -88,10 +90,16 @@ def num_ranks(ctx):
 
 @jit
 def symm_at(ctx, ptr, peer):
-    """The address of the symmetric object ``ptr`` (in this rank's heap) on ``peer``."""
+    """The address of the symmetric object ``ptr`` (in this rank's heap) on ``peer``.
+
+    Heap bases are aligned to HEAP_ALIGN bytes, so the distance between two of them is a
+    multiple of 16 elements: the translated pointer keeps ``ptr``'s alignment, and loads
+    through it stay as wide as loads through ``ptr``.
+    """
     my_base = tl.load(ctx + CTX_BASES + rank(ctx))
     peer_base = tl.load(ctx + CTX_BASES + peer)
-    return (ptr.to(tl.int64, bitcast=True) - my_base + peer_base).to(ptr.dtype, bitcast=True)
+    elem_bytes: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
+    return ptr + tl.multiple_of((peer_base - my_base) // elem_bytes, 16)
 
 
 @jit

@@ -10,13 +10,15 @@ Every collective is two launches on every rank:
    local output, then tell every peer this rank is done reading (``done[me] = epoch``).
 
 Signals hold the group's epoch, which only grows (compared with ``>=``), so nothing is ever
-reset between collectives. The last program of a launch to arrive at the ``arrive`` counter
-sends the signals, so the launch may have any number of programs, and no program waits on
-a later program of its own launch (which the interpreter, running programs one by one,
-could never satisfy).
+reset between collectives. The epoch lives in device memory: every launch reads
+``epoch = slot + 1`` and the last program of the pull launch stores it, so a captured CUDA
+graph counts on by itself when replayed (no epoch is baked into the graph). The last program
+of a launch to arrive at the ``arrive`` counter sends the signals, so the launch may have any
+number of programs, and no program waits on a later program of its own launch (which the
+interpreter, running programs one by one, could never satisfy).
 
 Signal block layout (int64, one block per group, same offset on every rank):
-``ready[WORLD] | done[WORLD] | arrive[2] | status[1]``.
+``ready[WORLD] | done[WORLD] | arrive[2] | status[1] | epoch[1]``.
 """
 
 import triton.language as tl
@@ -29,7 +31,13 @@ STATUS_SIZE_MISMATCH = tl.constexpr(1)
 
 
 def signal_slots(world: int) -> int:
-    return 2 * world + 3
+    return 2 * world + 4
+
+
+@tdl.jit
+def _epoch(sig, WORLD: tl.constexpr):
+    """This collective's epoch: one more than the last finished one on this rank."""
+    return tl.load(sig + 2 * WORLD + 3) + 1
 
 
 @tdl.jit
@@ -45,11 +53,12 @@ def _arrive_last(sig, ARRIVE: tl.constexpr):
 
 
 @tdl.jit
-def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, epoch,
+def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig,
                    WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
+    epoch = _epoch(sig, WORLD)
     for p in tl.static_range(WORLD):
         tdl.wait(ctx, sig + WORLD + p, epoch - 1)
     if pid == 0:
@@ -72,24 +81,28 @@ def _finish_pull(ctx, sig, epoch, WORLD: tl.constexpr):
         me = tdl.rank(ctx)
         for p in tl.static_range(WORLD):
             tdl.notify(ctx, sig + WORLD + me, p, epoch)
+        tl.store(sig + 2 * WORLD + 3, epoch)  # every program of this launch has read it
 
 
 @tdl.jit
-def pull_copy_kernel(ctx, stage, hdr, out, segs, sig, epoch,
-                     WORLD: tl.constexpr, BLOCK: tl.constexpr, SRC_FROM_HEADER: tl.constexpr):
+def pull_copy_kernel(ctx, stage, hdr, out, segs, sig,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, SRC_FROM_HEADER: tl.constexpr,
+                     ALIGN: tl.constexpr):
     """Program (b, s) copies its share of segment s: ``out[dst:dst+len] = stage@peer[src:src+len]``.
 
-    ``segs`` is int64 ``[n_segs, 4]``: (peer, src offset, dst offset, length) in elements.
+    ``segs`` is int64 ``[n_segs, 4]``: (peer, src offset, dst offset, length) in elements;
+    every offset and length is a multiple of ALIGN (which lets the compiler use wide accesses).
     With SRC_FROM_HEADER the source offset is read from the peer's header (``hdr[me]``) and
     the peer's own length for this rank (``hdr[WORLD + me]``) must equal ours.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    epoch = _epoch(sig, WORLD)
     seg = segs + tl.program_id(1) * 4
     peer = tl.load(seg)
-    src_off = tl.load(seg + 1)
-    dst_off = tl.load(seg + 2)
-    length = tl.load(seg + 3)
+    src_off = tl.multiple_of(tl.load(seg + 1), ALIGN)
+    dst_off = tl.multiple_of(tl.load(seg + 2), ALIGN)
+    length = tl.multiple_of(tl.load(seg + 3), ALIGN)
     tdl.wait(ctx, sig + peer, epoch)
     if SRC_FROM_HEADER:
         me = tdl.rank(ctx)
@@ -121,7 +134,7 @@ def _combine(acc, x, OP: tl.constexpr):
 
 
 @tdl.jit
-def pull_reduce_kernel(ctx, stage, out, src_off, n, sig, epoch,
+def pull_reduce_kernel(ctx, stage, out, src_off, n, sig,
                        WORLD: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr,
                        ACC: tl.constexpr):
     """``out[i] = OP over peers p (in rank order) of stage@p[src_off + i]``, for i < n.
@@ -130,6 +143,7 @@ def pull_reduce_kernel(ctx, stage, out, src_off, n, sig, epoch,
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    epoch = _epoch(sig, WORLD)
     if n > 0:
         for p in tl.static_range(WORLD):
             tdl.wait(ctx, sig + p, epoch)
