@@ -31,12 +31,13 @@ def specialisations():
         for dt in DTYPES:
             yield staged.publish_kernel, {
                 "ctx": "*i64", "src": f"*{dt}", "stage": f"*{dt}", "n": "i64", "hdr_src": "*i64",
-                "hdr": "*i64", "n_hdr": "i64", "sig": "*i64",
+                "hdr": "*i64", "n_hdr": "i64", "sig": "*i64", "op_code": "i32", "dtype_code": "i32",
                 "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 4096}
             for from_header, align in ((False, 1), (False, 16), (True, 1)):
                 yield staged.pull_copy_kernel, {
                     "ctx": "*i64", "stage": f"*{dt}", "hdr": "*i64", "out": f"*{dt}", "segs": "*i64",
-                    "sig": "*i64", "WORLD": "constexpr", "BLOCK": "constexpr",
+                    "sig": "*i64", "op_code": "i32", "dtype_code": "i32", "count": "i64",
+                    "WORLD": "constexpr", "BLOCK": "constexpr",
                     "SRC_FROM_HEADER": "constexpr", "ALIGN": "constexpr"}, {
                         "WORLD": world, "BLOCK": 4096, "SRC_FROM_HEADER": from_header, "ALIGN": align}
         for dt in REDUCIBLE:
@@ -44,8 +45,9 @@ def specialisations():
                 if op == "avg" and dt.startswith("i"):
                     continue
                 yield staged.pull_reduce_kernel, {
-                    "ctx": "*i64", "stage": f"*{dt}", "out": f"*{dt}", "src_off": "i64", "n": "i64",
-                    "sig": "*i64", "WORLD": "constexpr", "BLOCK": "constexpr",
+                    "ctx": "*i64", "stage": f"*{dt}", "hdr": "*i64", "out": f"*{dt}", "src_off": "i64",
+                    "n": "i64", "sig": "*i64", "op_code": "i32", "dtype_code": "i32", "count": "i64",
+                    "WORLD": "constexpr", "BLOCK": "constexpr",
                     "OP": "constexpr", "ACC": "constexpr"}, {"WORLD": world, "BLOCK": 4096, "OP": op,
                                                             "ACC": ACC[dt]}
 

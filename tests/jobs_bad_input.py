@@ -106,3 +106,37 @@ def a2a_inconsistent_splits(rank, ws):
     out = torch.empty(sum(out_splits))
     dist.all_to_all_single(out, torch.randn(2 * ws), out_splits, [2] * ws)
     return "returned without raising"
+
+
+# ---------------------------------------------------------------------------
+# calls that disagree between ranks (every rank is locally consistent)
+
+def _mismatched_call(rank, ws, case, seed):
+    g = torch.Generator().manual_seed(seed + rank)
+    if case == "size":  # rank 0 gathers 4 elements, the others 6
+        n = 4 if rank == 0 else 6
+        dist.all_gather_into_tensor(torch.empty(n * ws), torch.randn(n, generator=g))
+    elif case == "dtype":  # rank 0 reduces int32, the others float32
+        x = torch.randint(0, 9, (8,), generator=g, dtype=torch.int32) if rank == 0 else torch.randn(8, generator=g)
+        dist.all_reduce(x)
+    elif case == "op":  # rank 0 reduces, the others gather the same number of elements
+        x = torch.randn(8, generator=g)
+        if rank == 0:
+            dist.all_reduce(x)
+        else:
+            dist.all_gather_into_tensor(torch.empty(8 * ws), x)
+    return "returned without raising"
+
+
+def mismatched_call_then_recover(rank, ws, case, seed):
+    """Run a call that disagrees across ranks; report how it ended on this rank, then check
+    the group still computes correctly."""
+    try:
+        outcome = ("returned", _mismatched_call(rank, ws, case, seed))
+    except Exception as err:  # noqa: BLE001  (the test inspects what was raised)
+        outcome = ("raised", type(err).__name__, str(err))
+    xs = [torch.randn(100, generator=torch.Generator().manual_seed(seed * 7 + r)) for r in range(ws)]
+    x = xs[rank].clone()
+    dist.all_reduce(x)
+    assert torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5), "the group computes wrong results after the error"
+    return outcome

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests import jobs_bad_input as J
-from tests.helpers import skip_unless_tdist
+from tests.helpers import skip_unless_tdist, ws_param
 from tests.multiproc import PoolStartError, RankPool, backend_under_test
 
 MAX_SECONDS = 10.0
@@ -102,3 +102,17 @@ def test_a2a_splits_inconsistent_across_ranks(pool3):
     msg = err.message.lower()
     assert "tdist" in msg and "all_to_all_single" in msg, err.message
     assert err.elapsed_s <= MAX_SECONDS, f"took {err.elapsed_s:.1f} s to raise"
+
+
+@pytest.mark.tdist_only
+@pytest.mark.parametrize("case", ["size", "dtype", "op"])
+@ws_param([2, 3])
+def test_call_mismatched_across_ranks(pool, case, world_size, seed):
+    """One rank's call differs from the others' (element count, dtype or collective): every
+    rank that reads the odd rank's data raises a ValueError naming the op, none reads past a
+    buffer or hangs, and the group keeps working afterwards."""
+    outcomes = pool.run(J.mismatched_call_then_recover, case, seed, timeout=60)
+    for r, outcome in enumerate(outcomes):
+        assert outcome[0] == "raised", f"rank {r} did not raise: {outcomes}"
+        assert outcome[1] == "ValueError", f"rank {r}: {outcome}"
+        assert "tdist" in outcome[2] and "different call" in outcome[2], f"rank {r}: {outcome[2]}"

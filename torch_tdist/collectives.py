@@ -20,6 +20,16 @@ from .triton_kernels import staged
 BLOCK = 8192 if language.INTERPRET else 4096
 MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 
+# What a rank writes into its header, so that peers can tell a mismatched call from data
+# (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
+_CALL_CODE = {"all_gather_into_tensor": 1, "all_gather": 1, "reduce_scatter_tensor": 2,
+              "reduce_scatter": 2, "all_reduce": 3, "reduce": 4, "all_to_all_single": 5,
+              "all_to_all": 5, "broadcast": 6, "scatter": 7, "gather": 8, "barrier": 9}
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+     torch.int8, torch.uint8), start=1)}
+NO_COUNT = staged.NO_COUNT.value
+
 _ACCUMULATOR = {
     torch.float16: tl.float32,
     torch.bfloat16: tl.float32,
@@ -68,7 +78,8 @@ class Executor:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._heap = None
         self._stage_views = {}
-        self._segment_tables = {}
+        self._tables = {}
+        self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -82,7 +93,7 @@ class Executor:
                              device=device, transport=self.transport)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
-        self._header = heap.empty(2 * world, torch.int64)
+        self._header = heap.empty(staged.HEADER_FIXED.value + 2 * world, torch.int64)
         # Collectives stage through half of the heap; the other half is for users' own
         # symmetric buffers (torch_tdist.get_heap(group).empty(...)).
         self._stage_bytes = heap.nbytes // 2
@@ -113,15 +124,15 @@ class Executor:
             self._stage_views[dtype] = view
         return view
 
-    def _segments(self, segments, device) -> torch.Tensor:
-        """The segment table on the device; cached, so a repeated op costs no copy."""
-        key = tuple(segments)
-        table = self._segment_tables.get(key)
+    def _table(self, values, device) -> torch.Tensor:
+        """An int64 table (segments, a header) on the device; cached, so a repeated op costs no copy."""
+        key = tuple(values)
+        table = self._tables.get(key)
         if table is None:
-            if len(self._segment_tables) >= 256:
-                self._segment_tables.clear()
-            table = torch.tensor(segments, dtype=torch.int64, device=device)
-            self._segment_tables[key] = table
+            if len(self._tables) >= 256:
+                self._tables.clear()
+            table = torch.tensor(values, dtype=torch.int64, device=device)
+            self._tables[key] = table
         return table
 
     def _begin(self, op: str, tensor: torch.Tensor | None):
@@ -129,17 +140,18 @@ class Executor:
         self._ensure_heap(device, op)
 
     # ---- the two phases ----------------------------------------------------------------
-    def _publish(self, op: str, src: torch.Tensor, header: torch.Tensor | None = None):
+    def _publish(self, op: str, src: torch.Tensor, header: list[int] | None = None):
         stage = self._stage(src.dtype, src.numel(), op)
-        hdr_src = self._empty_header if header is None else header
+        hdr_src = self._empty_header if header is None else self._table(header, src.device)
         self._launch(op, staged.publish_kernel, (_programs(src.numel()),),
                      self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
-                     0 if header is None else header.numel(), self._signals,
-                     WORLD=self.world_size, BLOCK=BLOCK)
+                     0 if header is None else len(header), self._signals,
+                     _CALL_CODE[op], _DTYPE_CODE[src.dtype], WORLD=self.world_size, BLOCK=BLOCK)
 
-    def _pull_copy(self, op: str, out: torch.Tensor, segments, from_header=False):
+    def _pull_copy(self, op: str, out: torch.Tensor, segments, count: int, from_header=False):
+        """``count``: how many elements each peer read from must have published."""
         segments = list(segments) or [(self.rank, 0, 0, 0)]  # still signals done
-        segs = self._segments(segments, out.device)
+        segs = self._table(segments, out.device)
         stage = self._stage(out.dtype, 0, op)
         longest = max(s[3] for s in segments)
         grid = (_programs(longest, per=len(segments)), len(segments))
@@ -147,16 +159,19 @@ class Executor:
         aligned = not from_header and all(v % vector == 0 for s in segments for v in s[1:])
         self._launch(op, staged.pull_copy_kernel, grid,
                      self._heap.ctx, stage, self._header, out, segs, self._signals,
+                     _CALL_CODE[op], _DTYPE_CODE[out.dtype], count,
                      WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header,
                      ALIGN=vector if aligned else 1)
-        if from_header:
-            self._check_status(op)
+        self._check_status(op, out.dtype, count)
 
-    def _pull_reduce(self, op: str, out: torch.Tensor, src_offset: int, n: int, reduce_op: str):
+    def _pull_reduce(self, op: str, out: torch.Tensor, src_offset: int, n: int, reduce_op: str,
+                     count: int):
         stage = self._stage(out.dtype, 0, op)
         self._launch(op, staged.pull_reduce_kernel, (_programs(n),),
-                     self._heap.ctx, stage, out, src_offset, n, self._signals,
+                     self._heap.ctx, stage, self._header, out, src_offset, n, self._signals,
+                     _CALL_CODE[op], _DTYPE_CODE[out.dtype], count,
                      WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
+        self._check_status(op, out.dtype, count)
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
         try:
@@ -169,14 +184,26 @@ class Executor:
                 raise TimeoutError(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
             raise
 
-    def _check_status(self, op: str):
-        status_slot = self._signals[2 * self.world_size + 2:]
+    def _check_status(self, op: str, dtype: torch.dtype, count: int):
+        """Raise if a pull saw a peer whose call differs from ours (on GPUs this reads device
+        memory, so it runs only with TDIST_CHECK_CALLS=1)."""
+        if not self._check_calls:
+            return
+        status_slot = self._signals[2 * self.world_size + 2:2 * self.world_size + 3]
         status = int(status_slot[0])
-        if status != staged.STATUS_OK.value:
-            status_slot.zero_()
+        if status == staged.STATUS_OK.value:
+            return
+        status_slot.zero_()
+        peer, kind = status // 4 - 1, status % 4
+        if kind == staged.STATUS_SIZE_MISMATCH.value:
             raise ValueError(
-                f"tdist {op}: a peer sends this rank a different number of elements than this "
+                f"tdist {op}: rank {peer} sends this rank a different number of elements than this "
                 f"rank's output sizes expect (split sizes must agree across ranks)")
+        what = f"{count} {str(dtype).replace('torch.', '')} elements" if count != NO_COUNT else str(dtype)
+        raise ValueError(
+            f"tdist {op}: rank {peer} made a different call than this rank ({op} of {what}): "
+            f"another collective, dtype or element count. Every rank of a group must make the "
+            f"same calls in the same order with matching tensors")
 
     # ---- the collectives (names as in torch.distributed) ---------------------------------
     def all_gather_into_tensor(self, output, input):
@@ -192,7 +219,7 @@ class Executor:
         out = _Output(targets)
         n = src.numel()
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        self._pull_copy(op, out.flat, [(p, 0, p * n, n) for p in order])
+        self._pull_copy(op, out.flat, [(p, 0, p * n, n) for p in order], count=n)
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -206,7 +233,7 @@ class Executor:
         self._publish(name, src)
         out = _Output([output])
         n = output.numel()
-        self._pull_reduce(name, out.flat, self.rank * n, n, reduce_op)
+        self._pull_reduce(name, out.flat, self.rank * n, n, reduce_op, count=src.numel())
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -221,7 +248,7 @@ class Executor:
         self._publish(name, src)
         out = _Output([tensor])
         n = src.numel() if dst is None or dst == self.rank else 0
-        self._pull_reduce(name, out.flat, 0, n, reduce_op)
+        self._pull_reduce(name, out.flat, 0, n, reduce_op, count=src.numel())
         if n:
             out.finish()
 
@@ -240,23 +267,23 @@ class Executor:
     def _exchange(self, op, targets, recv_counts, src, send_counts):
         self._begin(op, src)
         send_offsets = _offsets(send_counts)
-        header = torch.tensor(send_offsets + send_counts, dtype=torch.int64, device=src.device)
-        self._publish(op, src, header)
+        self._publish(op, src, header=send_offsets + send_counts)
         out = _Output(targets)
         recv_offsets = _offsets(recv_counts)
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
         self._pull_copy(op, out.flat,
-                        [(p, 0, recv_offsets[p], recv_counts[p]) for p in order], from_header=True)
+                        [(p, 0, recv_offsets[p], recv_counts[p]) for p in order],
+                        count=NO_COUNT, from_header=True)
         out.finish()
 
     def broadcast(self, tensor, src):
         self._begin("broadcast", tensor)
         if self.rank == src:
             self._publish("broadcast", _flat(tensor))
-            self._pull_copy("broadcast", _flat(tensor), [])
+            self._pull_copy("broadcast", _flat(tensor), [], count=tensor.numel())
             return
         out = _Output([tensor])
-        self._pull_copy("broadcast", out.flat, [(src, 0, 0, tensor.numel())])
+        self._pull_copy("broadcast", out.flat, [(src, 0, 0, tensor.numel())], count=tensor.numel())
         out.finish()
 
     def scatter(self, output, inputs, src):
@@ -265,7 +292,7 @@ class Executor:
             self._publish("scatter", torch.cat([_flat(t) for t in inputs]))
         out = _Output([output])
         n = output.numel()
-        self._pull_copy("scatter", out.flat, [(src, self.rank * n, 0, n)])
+        self._pull_copy("scatter", out.flat, [(src, self.rank * n, 0, n)], count=self.world_size * n)
         out.finish()
 
     def gather(self, outputs, input, dst):
@@ -273,23 +300,23 @@ class Executor:
         src = _flat(input)
         self._publish("gather", src)
         if self.rank != dst:
-            self._pull_copy("gather", src, [])
+            self._pull_copy("gather", src, [], count=src.numel())
             return
         out = _Output(list(outputs))
         n = src.numel()
-        self._pull_copy("gather", out.flat, [(p, 0, p * n, n) for p in range(self.world_size)])
+        self._pull_copy("gather", out.flat, [(p, 0, p * n, n) for p in range(self.world_size)], count=n)
         out.finish()
 
     def barrier(self):
         self._begin("barrier", None)
         nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
         self._publish("barrier", nothing)
-        self._pull_copy("barrier", nothing, [(p, 0, 0, 0) for p in range(self.world_size)])
+        self._pull_copy("barrier", nothing, [(p, 0, 0, 0) for p in range(self.world_size)], count=0)
 
     def close(self):
         if self._heap is not None:
             self._stage_views.clear()
-            self._segment_tables.clear()
+            self._tables.clear()
             self._heap.close()
             self._heap = None
 

@@ -3,11 +3,17 @@
 Every collective is two launches on every rank:
 
 1. ``publish_kernel``: wait until every peer finished reading this rank's staging buffer in
-   the previous collective (``done[p] >= epoch - 1``), copy the local input (and a small int64
-   header) into the staging buffer, then tell every peer it is ready (``ready[me] = epoch``).
+   the previous collective (``done[p] >= epoch - 1``), copy the local input and a small int64
+   header into the staging area, then tell every peer it is ready (``ready[me] = epoch``).
 2. ``pull_copy_kernel`` / ``pull_reduce_kernel``: wait for the peers whose data is needed,
+   check that each one's header describes the same call as ours (op, dtype, element count),
    read their staging buffers through pointer translation and write (or reduce into) the
    local output, then tell every peer this rank is done reading (``done[me] = epoch``).
+   A header that does not match is never read past: the status slot records it for the host,
+   which raises, and the signals still flow so the group stays usable.
+
+Header layout (int64): ``op | dtype | count | send offsets[WORLD] | send counts[WORLD]``; the
+last two only for all-to-all, where ``count`` is not compared (ranks send different amounts).
 
 Signals hold the group's epoch, which only grows (compared with ``>=``), so nothing is ever
 reset between collectives. The epoch lives in device memory: every launch reads
@@ -25,9 +31,12 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-# status codes a pull kernel leaves in the status slot for the host to report
+# The status slot holds (peer + 1) * 4 + kind for the highest peer that disagreed.
 STATUS_OK = tl.constexpr(0)
-STATUS_SIZE_MISMATCH = tl.constexpr(1)
+STATUS_SIZE_MISMATCH = tl.constexpr(1)  # all-to-all: the peer sends a different count
+STATUS_CALL_MISMATCH = tl.constexpr(2)  # the peer made a different call (op, dtype or size)
+HEADER_FIXED = tl.constexpr(3)
+NO_COUNT = tl.constexpr(-1)
 
 
 def signal_slots(world: int) -> int:
@@ -53,7 +62,7 @@ def _arrive_last(sig, ARRIVE: tl.constexpr):
 
 
 @tdl.jit
-def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig,
+def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, op_code, dtype_code,
                    WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -62,10 +71,13 @@ def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig,
     for p in tl.static_range(WORLD):
         tdl.wait(ctx, sig + WORLD + p, epoch - 1)
     if pid == 0:
+        tl.store(hdr, tl.cast(op_code, tl.int64))
+        tl.store(hdr + 1, tl.cast(dtype_code, tl.int64))
+        tl.store(hdr + 2, tl.cast(n, tl.int64))
         for start in range(0, n_hdr, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n_hdr
-            tl.store(hdr + offs, tl.load(hdr_src + offs, mask=mask), mask=mask)
+            tl.store(hdr + HEADER_FIXED + offs, tl.load(hdr_src + offs, mask=mask), mask=mask)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -85,15 +97,31 @@ def _finish_pull(ctx, sig, epoch, WORLD: tl.constexpr):
 
 
 @tdl.jit
-def pull_copy_kernel(ctx, stage, hdr, out, segs, sig,
+def _call_matches(ctx, hdr, sig, peer, op_code, dtype_code, count, WORLD: tl.constexpr):
+    """Whether ``peer``'s header describes our call; records the peer in the status slot if not."""
+    same = (tdl.load(ctx, hdr, peer) == op_code) & (tdl.load(ctx, hdr + 1, peer) == dtype_code)
+    same = same & ((count == NO_COUNT) | (tdl.load(ctx, hdr + 2, peer) == count))
+    if not same:
+        _report(sig, peer, STATUS_CALL_MISMATCH, WORLD)
+    return same
+
+
+@tdl.jit
+def _report(sig, peer, kind, WORLD: tl.constexpr):
+    tl.atomic_max(sig + 2 * WORLD + 2, tl.cast((peer + 1) * 4 + kind, tl.int64), sem="relaxed", scope="gpu")
+
+
+@tdl.jit
+def pull_copy_kernel(ctx, stage, hdr, out, segs, sig, op_code, dtype_code, count,
                      WORLD: tl.constexpr, BLOCK: tl.constexpr, SRC_FROM_HEADER: tl.constexpr,
                      ALIGN: tl.constexpr):
     """Program (b, s) copies its share of segment s: ``out[dst:dst+len] = stage@peer[src:src+len]``.
 
     ``segs`` is int64 ``[n_segs, 4]``: (peer, src offset, dst offset, length) in elements;
     every offset and length is a multiple of ALIGN (which lets the compiler use wide accesses).
-    With SRC_FROM_HEADER the source offset is read from the peer's header (``hdr[me]``) and
-    the peer's own length for this rank (``hdr[WORLD + me]``) must equal ours.
+    With SRC_FROM_HEADER the source offset is read from the peer's header (its send offset
+    for this rank) and the peer's send count for this rank must equal our length.
+    ``count``: the element count every peer must have published (NO_COUNT: not compared).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -104,17 +132,18 @@ def pull_copy_kernel(ctx, stage, hdr, out, segs, sig,
     dst_off = tl.multiple_of(tl.load(seg + 2), ALIGN)
     length = tl.multiple_of(tl.load(seg + 3), ALIGN)
     tdl.wait(ctx, sig + peer, epoch)
+    same = _call_matches(ctx, hdr, sig, peer, op_code, dtype_code, count, WORLD)
     if SRC_FROM_HEADER:
         me = tdl.rank(ctx)
-        src_off = tdl.load(ctx, hdr + me, peer)
-        sent = tdl.load(ctx, hdr + WORLD + me, peer)
-        mismatch = sent != length
-        if mismatch:
-            tl.atomic_max(sig + 2 * WORLD + 2, STATUS_SIZE_MISMATCH, sem="relaxed", scope="gpu")
-        length = tl.where(mismatch, 0, length)
+        src_off = tdl.load(ctx, hdr + HEADER_FIXED + me, peer)
+        sent = tdl.load(ctx, hdr + HEADER_FIXED + WORLD + me, peer)
+        if same & (sent != length):
+            _report(sig, peer, STATUS_SIZE_MISMATCH, WORLD)
+        same = same & (sent == length)
+    limit = tl.where(same, length, 0)  # (the mask keeps `length`, whose alignment is known)
     remote = tdl.symm_at(ctx, stage, peer) + src_off
     local = out + dst_off
-    for start in range(pid * BLOCK, length, nprog * BLOCK):
+    for start in range(pid * BLOCK, limit, nprog * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < length
         tl.store(local + offs, tl.load(remote + offs, mask=mask), mask=mask)
@@ -134,7 +163,7 @@ def _combine(acc, x, OP: tl.constexpr):
 
 
 @tdl.jit
-def pull_reduce_kernel(ctx, stage, out, src_off, n, sig,
+def pull_reduce_kernel(ctx, stage, hdr, out, src_off, n, sig, op_code, dtype_code, count,
                        WORLD: tl.constexpr, BLOCK: tl.constexpr, OP: tl.constexpr,
                        ACC: tl.constexpr):
     """``out[i] = OP over peers p (in rank order) of stage@p[src_off + i]``, for i < n.
@@ -144,10 +173,12 @@ def pull_reduce_kernel(ctx, stage, out, src_off, n, sig,
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     epoch = _epoch(sig, WORLD)
-    if n > 0:
-        for p in tl.static_range(WORLD):
-            tdl.wait(ctx, sig + p, epoch)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
+    limit = n
+    for p in tl.static_range(WORLD):
+        tdl.wait(ctx, sig + p, epoch)
+        same = _call_matches(ctx, hdr, sig, p, op_code, dtype_code, count, WORLD)
+        limit = tl.where(same, limit, 0)
+    for start in range(pid * BLOCK, limit, nprog * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         acc = tl.load(tdl.symm_at(ctx, stage, 0) + src_off + offs, mask=mask).to(ACC)
