@@ -32,7 +32,7 @@ def specialisations():
             yield staged.publish_kernel, {
                 "ctx": "*i64", "src": f"*{dt}", "stage": f"*{dt}", "n": "i64", "hdr_src": "*i64",
                 "hdr": "*i64", "n_hdr": "i64", "sig": "*i64", "op_code": "i32", "dtype_code": "i32",
-                "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 4096}
+                "count": "i64", "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 4096}
             for from_header, align in ((False, 1), (False, 16), (True, 1)):
                 yield staged.pull_copy_kernel, {
                     "ctx": "*i64", "stage": f"*{dt}", "hdr": "*i64", "out": f"*{dt}", "segs": "*i64",

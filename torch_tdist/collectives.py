@@ -140,13 +140,23 @@ class Executor:
         self._ensure_heap(device, op)
 
     # ---- the two phases ----------------------------------------------------------------
-    def _publish(self, op: str, src: torch.Tensor, header: list[int] | None = None):
+    def _publish(self, op: str, src: torch.Tensor, count: int, header: list[int] | None = None):
+        """Stage ``src``; ``count`` goes into the header for peers to compare with their own."""
         stage = self._stage(src.dtype, src.numel(), op)
         hdr_src = self._empty_header if header is None else self._table(header, src.device)
         self._launch(op, staged.publish_kernel, (_programs(src.numel()),),
                      self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
                      0 if header is None else len(header), self._signals,
-                     _CALL_CODE[op], _DTYPE_CODE[src.dtype], WORLD=self.world_size, BLOCK=BLOCK)
+                     _CALL_CODE[op], _DTYPE_CODE[src.dtype], count, WORLD=self.world_size, BLOCK=BLOCK)
+
+    def _rounds(self, numel: int, dtype: torch.dtype, parts: int = 1) -> list[tuple[int, int]]:
+        """(start, length) pieces of ``numel`` elements per part such that ``parts`` pieces fit
+        the staging area together: messages larger than the heap go in several rounds."""
+        capacity = self._stage_bytes // dtype.itemsize // parts
+        if capacity == 0:
+            raise ValueError(f"tdist: the symmetric heap is too small to stage {parts} elements of "
+                             f"{dtype}; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
 
     def _pull_copy(self, op: str, out: torch.Tensor, segments, count: int, from_header=False):
         """``count``: how many elements each peer read from must have published."""
@@ -215,11 +225,12 @@ class Executor:
     def _gather_to_all(self, op, targets, input):
         self._begin(op, input)
         src = _flat(input)
-        self._publish(op, src)
         out = _Output(targets)
         n = src.numel()
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        self._pull_copy(op, out.flat, [(p, 0, p * n, n) for p in order], count=n)
+        for start, length in self._rounds(n, src.dtype):
+            self._publish(op, src[start:start + length], count=n)
+            self._pull_copy(op, out.flat, [(p, 0, p * n + start, length) for p in order], count=n)
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -230,10 +241,12 @@ class Executor:
 
     def _reduce_scatter(self, name, output, src, reduce_op):
         self._begin(name, output)
-        self._publish(name, src)
         out = _Output([output])
         n = output.numel()
-        self._pull_reduce(name, out.flat, self.rank * n, n, reduce_op, count=src.numel())
+        for start, length in self._rounds(n, src.dtype, parts=self.world_size):
+            self._publish(name, _columns(src, self.world_size, start, length), count=src.numel())
+            self._pull_reduce(name, out.flat[start:start + length], self.rank * length, length,
+                              reduce_op, count=src.numel())
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -245,11 +258,13 @@ class Executor:
     def _reduce(self, name, tensor, reduce_op, dst):
         self._begin(name, tensor)
         src = _flat(tensor)
-        self._publish(name, src)
         out = _Output([tensor])
-        n = src.numel() if dst is None or dst == self.rank else 0
-        self._pull_reduce(name, out.flat, 0, n, reduce_op, count=src.numel())
-        if n:
+        keeps_result = dst is None or dst == self.rank
+        for start, length in self._rounds(src.numel(), src.dtype):
+            self._publish(name, src[start:start + length], count=src.numel())
+            self._pull_reduce(name, out.flat[start:start + length], 0, length if keeps_result else 0,
+                              reduce_op, count=src.numel())
+        if keeps_result:
             out.finish()
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes):
@@ -267,7 +282,7 @@ class Executor:
     def _exchange(self, op, targets, recv_counts, src, send_counts):
         self._begin(op, src)
         send_offsets = _offsets(send_counts)
-        self._publish(op, src, header=send_offsets + send_counts)
+        self._publish(op, src, count=NO_COUNT, header=send_offsets + send_counts)
         out = _Output(targets)
         recv_offsets = _offsets(recv_counts)
         order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
@@ -278,39 +293,50 @@ class Executor:
 
     def broadcast(self, tensor, src):
         self._begin("broadcast", tensor)
+        count = tensor.numel()
         if self.rank == src:
-            self._publish("broadcast", _flat(tensor))
-            self._pull_copy("broadcast", _flat(tensor), [], count=tensor.numel())
+            data = _flat(tensor)
+            for start, length in self._rounds(count, tensor.dtype):
+                self._publish("broadcast", data[start:start + length], count=count)
+                self._pull_copy("broadcast", data, [], count=count)
             return
         out = _Output([tensor])
-        self._pull_copy("broadcast", out.flat, [(src, 0, 0, tensor.numel())], count=tensor.numel())
+        for start, length in self._rounds(count, tensor.dtype):
+            self._pull_copy("broadcast", out.flat, [(src, 0, start, length)], count=count)
         out.finish()
 
     def scatter(self, output, inputs, src):
         self._begin("scatter", output)
-        if self.rank == src:
-            self._publish("scatter", torch.cat([_flat(t) for t in inputs]))
+        packed = torch.cat([_flat(t) for t in inputs]) if self.rank == src else None
         out = _Output([output])
         n = output.numel()
-        self._pull_copy("scatter", out.flat, [(src, self.rank * n, 0, n)], count=self.world_size * n)
+        for start, length in self._rounds(n, output.dtype, parts=self.world_size):
+            if packed is not None:
+                self._publish("scatter", _columns(packed, self.world_size, start, length),
+                              count=self.world_size * n)
+            self._pull_copy("scatter", out.flat, [(src, self.rank * length, start, length)],
+                            count=self.world_size * n)
         out.finish()
 
     def gather(self, outputs, input, dst):
         self._begin("gather", input)
         src = _flat(input)
-        self._publish("gather", src)
-        if self.rank != dst:
-            self._pull_copy("gather", src, [], count=src.numel())
-            return
-        out = _Output(list(outputs))
         n = src.numel()
-        self._pull_copy("gather", out.flat, [(p, 0, p * n, n) for p in range(self.world_size)], count=n)
-        out.finish()
+        out = _Output(list(outputs)) if self.rank == dst else None
+        for start, length in self._rounds(n, src.dtype):
+            self._publish("gather", src[start:start + length], count=n)
+            if out is None:
+                self._pull_copy("gather", src, [], count=n)
+            else:
+                self._pull_copy("gather", out.flat,
+                                [(p, 0, p * n + start, length) for p in range(self.world_size)], count=n)
+        if out is not None:
+            out.finish()
 
     def barrier(self):
         self._begin("barrier", None)
         nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
-        self._publish("barrier", nothing)
+        self._publish("barrier", nothing, count=0)
         self._pull_copy("barrier", nothing, [(p, 0, 0, 0) for p in range(self.world_size)], count=0)
 
     def close(self):
@@ -330,6 +356,13 @@ def _canonical(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _columns(src: torch.Tensor, parts: int, start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of each of the ``parts`` equal parts of flat ``src``."""
+    if length * parts == src.numel():
+        return src
+    return src.view(parts, -1)[:, start:start + length].reshape(-1)
 
 
 def _offsets(counts):

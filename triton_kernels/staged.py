@@ -12,8 +12,9 @@ Every collective is two launches on every rank:
    A header that does not match is never read past: the status slot records it for the host,
    which raises, and the signals still flow so the group stays usable.
 
-Header layout (int64): ``op | dtype | count | send offsets[WORLD] | send counts[WORLD]``; the
-last two only for all-to-all, where ``count`` is not compared (ranks send different amounts).
+Header layout (int64): ``op | dtype | count | send offsets[WORLD] | send counts[WORLD]``;
+``count`` is the whole call's element count (a large call is staged in several rounds), and
+the last two parts are only for all-to-all, where ``count`` is not compared.
 
 Signals hold the group's epoch, which only grows (compared with ``>=``), so nothing is ever
 reset between collectives. The epoch lives in device memory: every launch reads
@@ -62,7 +63,7 @@ def _arrive_last(sig, ARRIVE: tl.constexpr):
 
 
 @tdl.jit
-def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, op_code, dtype_code,
+def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, op_code, dtype_code, count,
                    WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -73,7 +74,7 @@ def publish_kernel(ctx, src, stage, n, hdr_src, hdr, n_hdr, sig, op_code, dtype_
     if pid == 0:
         tl.store(hdr, tl.cast(op_code, tl.int64))
         tl.store(hdr + 1, tl.cast(dtype_code, tl.int64))
-        tl.store(hdr + 2, tl.cast(n, tl.int64))
+        tl.store(hdr + 2, tl.cast(count, tl.int64))
         for start in range(0, n_hdr, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n_hdr
