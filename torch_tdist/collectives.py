@@ -79,6 +79,7 @@ class Executor:
         self._heap = None
         self._stage_views = {}
         self._tables = {}
+        self._stopped = None  # why this group can serve no more collectives
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
 
     # ---- state -------------------------------------------------------------------------
@@ -136,6 +137,9 @@ class Executor:
         return table
 
     def _begin(self, op: str, tensor: torch.Tensor | None):
+        if self._stopped:
+            raise RuntimeError(f"tdist {op}: this group stopped after {self._stopped}; destroy it "
+                               f"and create a new one")
         device = self._default_device() if tensor is None else _canonical(tensor.device)
         self._ensure_heap(device, op)
 
@@ -191,6 +195,8 @@ class Executor:
             while cause is not None and not isinstance(cause, language.PeerTimeoutError):
                 cause = cause.__cause__
             if cause is not None:
+                # peers and this rank now disagree on where the group is: refuse further work
+                self._stopped = f"{op} timed out waiting for a peer"
                 raise TimeoutError(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
             raise
 

@@ -155,7 +155,11 @@ if INTERPRET:
         Under the interpreter the spin sleeps between polls (ranks share few cores) and gives
         up after the group's timeout.
         """
-        timeout_s = operator.index(tl.load(ctx + CTX_TIMEOUT_MS)) / 1000.0
+        return _spin(sig, value, tl.load(ctx + CTX_TIMEOUT_MS))
+
+    def _spin(sig, value, timeout_ms):
+        # Plain Python (the interpreter rewrites jit functions' arithmetic into tensor ops).
+        timeout_s = operator.index(timeout_ms) / 1000.0
         deadline = time.monotonic() + timeout_s
         pause = 0.0
         while True:

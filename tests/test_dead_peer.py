@@ -1,0 +1,81 @@
+"""A rank killed with SIGKILL in the middle of the job: the survivors raise within the group's
+timeout (plus slack), name the op, refuse further work, and exit; nothing is left in /dev/shm."""
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+
+TIMEOUT_S = 4
+SLACK_S = 10
+
+
+def _rank(rank, world, store_path, op, results):
+    import torch
+    import torch.distributed as dist
+
+    import torch_tdist  # noqa: F401
+
+    dist.init_process_group("tdist", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    x = torch.randn(64)
+    dist.all_reduce(x)  # the heap is up and every rank is here
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    calls = {
+        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(64 * world), x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(64 // world * 1), x[: 64 // world * world]),
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty(63), x[:63]),
+    }
+    start = time.monotonic()
+    try:
+        calls[op]()
+        first = ("returned",)
+    except Exception as err:  # noqa: BLE001  (the parent inspects it)
+        first = ("raised", type(err).__name__, str(err)[:300], time.monotonic() - start)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        second = ("returned",)
+    except Exception as err:  # noqa: BLE001
+        second = ("raised", type(err).__name__, str(err)[:300], time.monotonic() - start)
+    results.put((rank, first, second))
+    os._exit(0)  # no destroy_process_group: the fallback backend would wait for the dead rank
+
+
+@pytest.mark.tdist_only
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
+def test_survivors_raise_when_a_peer_is_killed(op):
+    world = 3
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    before = set(os.listdir("/dev/shm"))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), op, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.join(max(1, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            p.kill()
+        assert not alive, f"ranks {alive} did not exit (a survivor hangs)"
+    reports = {}
+    while not results.empty():
+        rank, first, second = results.get()
+        reports[rank] = (first, second)
+    assert sorted(reports) == list(range(world - 1)), f"survivors that reported: {sorted(reports)}"
+    for rank, (first, second) in reports.items():
+        assert first[0] == "raised", f"rank {rank}: {op} returned although a peer was dead"
+        assert "tdist" in first[2] and op in first[2], f"rank {rank}: {first}"
+        assert first[3] <= TIMEOUT_S + SLACK_S, f"rank {rank}: raised after {first[3]:.1f} s"
+        assert second[0] == "raised" and "stopped" in second[2], f"rank {rank}: next call {second}"
+        assert second[3] < 1, f"rank {rank}: the refusal took {second[3]:.1f} s"
+    assert not (set(os.listdir("/dev/shm")) - before), "shared-memory segments were left behind"
