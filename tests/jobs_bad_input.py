@@ -68,7 +68,47 @@ def _meta_tensor_on_cpu_backend(ws):
     work.wait()
 
 
+def _ag_list_element_wrong_size(ws):
+    dist.all_gather([torch.empty(4) for _ in range(ws - 1)] + [torch.empty(5)], torch.randn(4))
+
+
+def _rs_list_too_short(ws):
+    dist.reduce_scatter(torch.empty(4), [torch.randn(4) for _ in range(ws - 1)])
+
+
+def _rs_list_element_wrong_size(ws):
+    dist.reduce_scatter(torch.empty(4), [torch.randn(4) for _ in range(ws - 1)] + [torch.randn(5)])
+
+
+def _a2a_list_wrong_length(ws):
+    dist.all_to_all([torch.empty(2) for _ in range(ws)], [torch.randn(2) for _ in range(ws + 1)])
+
+
+def _a2a_row_sizes_differ(ws):
+    dist.all_to_all_single(torch.empty(ws * 2, 2), torch.randn(ws * 2, 3))
+
+
+def _band_on_bfloat16(ws):
+    dist.all_reduce(torch.ones(4, dtype=torch.bfloat16), op=R.BAND)
+
+
+def _avg_on_int64_reduce_scatter(ws):
+    dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int64), torch.ones(ws * 4, dtype=torch.int64), op=R.AVG)
+
+
+def _avg_on_bool(ws):
+    dist.all_reduce(torch.ones(4, dtype=torch.bool), op=R.AVG)
+
+
 CASES = {
+    "ag_list_element_wrong_size": _ag_list_element_wrong_size,
+    "rs_list_too_short": _rs_list_too_short,
+    "rs_list_element_wrong_size": _rs_list_element_wrong_size,
+    "a2a_list_wrong_length": _a2a_list_wrong_length,
+    "a2a_row_sizes_differ": _a2a_row_sizes_differ,
+    "band_on_bfloat16": _band_on_bfloat16,
+    "avg_on_int64_reduce_scatter": _avg_on_int64_reduce_scatter,
+    "avg_on_bool": _avg_on_bool,
     "agit_output_too_big": _agit_output_too_big,
     "agit_output_too_small": _agit_output_too_small,
     "rst_output_wrong_size": _rst_output_wrong_size,

@@ -20,6 +20,14 @@ VALIDATION = (ValueError, TypeError)
 # case -> (op names, one of which the tdist message must contain; exception types tdist may raise;
 #          world sizes)
 EXPECT = {
+    "ag_list_element_wrong_size": (["all_gather"], VALIDATION, [2, 3]),
+    "rs_list_too_short": (["reduce_scatter"], VALIDATION, [2, 3]),
+    "rs_list_element_wrong_size": (["reduce_scatter"], VALIDATION, [2, 3]),
+    "a2a_list_wrong_length": (["all_to_all"], VALIDATION, [2, 3]),
+    "a2a_row_sizes_differ": (["all_to_all_single"], VALIDATION, [2, 3]),
+    "band_on_bfloat16": (["all_reduce"], VALIDATION, [2, 3]),
+    "avg_on_int64_reduce_scatter": (["reduce_scatter_tensor"], VALIDATION, [2, 3]),
+    "avg_on_bool": (["all_reduce"], VALIDATION, [2, 3]),
     "agit_output_too_big": (["all_gather_into_tensor"], VALIDATION, [2, 3]),
     "agit_output_too_small": (["all_gather_into_tensor"], VALIDATION, [2, 3]),
     "rst_output_wrong_size": (["reduce_scatter_tensor"], VALIDATION, [2, 3]),
