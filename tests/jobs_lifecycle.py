@@ -1,0 +1,34 @@
+"""Jobs for test_lifecycle.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _tdist_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/tdist-" in line)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def subgroup_cycles(rank, ws, cycles, seed):
+    """Create a tdist subgroup, use it, destroy it, ``cycles`` times; report what stayed."""
+    xs = [torch.randn(4096, generator=torch.Generator().manual_seed(seed + r)) for r in range(ws)]
+    start_maps, start_rss = _tdist_mappings(), _rss_mb()
+    for i in range(cycles):
+        group = dist.new_group(list(range(ws)), backend="tdist")
+        x = xs[rank].clone()
+        dist.all_reduce(x, group=group)
+        assert torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5), f"cycle {i}: wrong all_reduce"
+        dist.destroy_process_group(group)
+        if i == 9:
+            warm_rss = _rss_mb()  # allocator pools and caches have settled by now
+    return {"maps": _tdist_mappings() - start_maps, "rss_growth_mb": _rss_mb() - warm_rss,
+            "start_rss_mb": start_rss}
