@@ -9,21 +9,14 @@ every result matches.
 """
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "TDIST_GPU_KERNELS": "1"}  # the demo runs tdist's own kernels on GPUs too
-for _key, _value in SAFE_ENV.items():
-    os.environ.setdefault(_key, _value)
+from .launch import device_kind, run_local  # sets the NVLink-multicast safety variables first
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 SIZES = (1000, 65536)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
@@ -94,15 +87,9 @@ def _cases(rank, world, n, dtype, device, seed):
     return cases
 
 
-def _rank_main(rank, world, store_path, device_kind, results):
-    if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-    import torch_tdist  # noqa: F401  (registers the backend)
+def _rank_main(rank, world, device):
+    import torch_tdist
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("tdist", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    device = torch.device(device_kind, rank) if device_kind == "cuda" else torch.device("cpu")
     rows = []
     for seed, (n, dtype) in enumerate((n, d) for n in SIZES for d in DTYPES):
         for op, run, expected, actual in _cases(rank, world, n, dtype, device, seed):
@@ -121,19 +108,7 @@ def _rank_main(rank, world, store_path, device_kind, results):
     start = time.perf_counter()
     dist.barrier()
     rows.append(("barrier", "-", 0, True, (time.perf_counter() - start) * 1e3))
-    results.put((rank, (rows, torch_tdist.stats())))
-    dist.destroy_process_group()
-
-
-def _join_or_stop_all(procs):
-    """Wait for every rank; once one fails, stop the others (they would wait for it)."""
-    while any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-        time.sleep(0.2)
-    for p in procs:
-        p.join()
+    return rows, torch_tdist.stats()
 
 
 def main(argv=None) -> int:
@@ -141,24 +116,14 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="number of local ranks")
     args = parser.parse_args(argv)
     world = args.nproc
-    device_kind = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
-    print(f"tdist demo: starting {world} ranks on {device_kind}", flush=True)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store_path, device_kind, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        _join_or_stop_all(procs)
-        failed_procs = [r for r, p in enumerate(procs) if p.exitcode != 0]
-        per_rank = dict(results.get() for _ in range(world - len(failed_procs)))
-        stats = {r: per_rank[r][1] for r in per_rank}
-        per_rank = {r: per_rank[r][0] for r in per_rank}
-    if failed_procs:
-        print(f"ranks {failed_procs} failed", file=sys.stderr)
+    print(f"tdist demo: starting {world} ranks on {device_kind(world)}", flush=True)
+    results = run_local(_rank_main, world)
+    failed = [r for r, res in enumerate(results) if res is None]
+    if failed:
+        print(f"ranks {failed} failed", file=sys.stderr)
         return 1
+    per_rank = [rows for rows, _ in results]
+    stats = [s for _, s in results]
     print(f"{'op':<24}{'dtype':<10}{'bytes/rank':>12}  {'result':<8}{'ms (median)':>12}")
     all_ok = True
     for i, (op, dtype, nbytes, _, ms) in enumerate(per_rank[0]):

@@ -1,0 +1,190 @@
+"""Soak: many random collectives, each checked against a reference, with leak accounting.
+
+    python -m torch_tdist.soak --nproc 3 --steps 300 [--max-bytes 4M] [--seed 1]
+
+Every rank draws the same sequence of calls from a shared seed (op, dtype, size from 1 byte
+to ``--max-bytes``, the whole group or a subgroup, async or not), builds every rank's input
+from per-rank seeds, runs the call and compares with plain torch ops. At the end it reports
+mismatches, and whether heap usage, heap mappings and /dev/shm entries stayed flat. Exit code
+0 only if nothing mismatched and nothing grew.
+"""
+
+import argparse
+import math
+import os
+import random
+import sys
+
+from .launch import device_kind, run_local  # sets the NVLink-multicast safety variables first
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from .heap import parse_size  # noqa: E402
+
+OPS = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
+       "all_to_all_single", "broadcast", "reduce", "scatter", "gather")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _tdist_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/tdist-" in line)
+
+
+def _inputs(seed, ranks, numel, dtype, device):
+    out = []
+    for r in ranks:
+        g = torch.Generator().manual_seed(seed * 7919 + r)
+        if dtype.is_floating_point:
+            out.append(torch.randn(numel, generator=g).to(dtype).to(device))
+        else:
+            high = 100 if dtype == torch.uint8 else 1000
+            out.append(torch.randint(0, high, (numel,), generator=g).to(dtype).to(device))
+    return out
+
+
+def _reduce(xs, name):
+    stacked = torch.stack([x.double() if x.dtype.is_floating_point else x for x in xs])
+    result = {"sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0)}[name]
+    return result.to(xs[0].dtype)
+
+
+def _same(got, want) -> bool:
+    if got.dtype.is_floating_point and got.dtype != torch.float32:
+        return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    if got.dtype.is_floating_point:
+        return torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    return torch.equal(got, want)
+
+
+def _step(rng, step, seed, groups, rank, device, max_bytes):
+    """One random call; returns a description if it mismatched, else None."""
+    members, group = rng.choice(groups)
+    op = rng.choice(OPS)
+    dtype = rng.choice(DTYPES)
+    reduce_name = rng.choice(list(REDUCE_OPS))
+    if dtype == torch.uint8 and op in ("reduce_scatter_tensor", "all_reduce", "reduce"):
+        dtype = torch.int32  # uint8 is served for data movement only
+    nbytes = int(math.exp(rng.uniform(0, math.log(max_bytes))))
+    world = len(members)
+    numel = max(world, nbytes // dtype.itemsize) // world * world
+    root = rng.randrange(world)
+    use_async = rng.random() < 0.3
+    if rank not in members:
+        return None
+    me = members.index(rank)
+    xs = _inputs(seed * 100003 + step, members, numel, dtype, device)
+    x = xs[me]
+    chunk = numel // world
+    global_root = members[root]
+    if op == "all_gather_into_tensor":
+        got = torch.empty(numel * world, dtype=dtype, device=device)
+        work = dist.all_gather_into_tensor(got, x, group=group, async_op=use_async)
+        want = torch.cat(xs)
+    elif op == "all_gather":
+        outs = [torch.empty_like(x) for _ in range(world)]
+        work = dist.all_gather(outs, x, group=group, async_op=use_async)
+        got, want = outs, torch.cat(xs)
+    elif op == "reduce_scatter_tensor":
+        got = torch.empty(chunk, dtype=dtype, device=device)
+        work = dist.reduce_scatter_tensor(got, x, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
+        want = _reduce(xs, reduce_name)[me * chunk:(me + 1) * chunk]
+    elif op == "all_reduce":
+        got = x.clone()
+        work = dist.all_reduce(got, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
+        want = _reduce(xs, reduce_name)
+    elif op == "all_to_all_single":
+        got = torch.empty_like(x)
+        work = dist.all_to_all_single(got, x, group=group, async_op=use_async)
+        want = torch.cat([xs[p][me * chunk:(me + 1) * chunk] for p in range(world)])
+    elif op == "broadcast":
+        got = x.clone()
+        work = dist.broadcast(got, global_root, group=group, async_op=use_async)
+        want = xs[root]
+    elif op == "reduce":
+        got = x.clone()
+        work = dist.reduce(got, global_root, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
+        want = _reduce(xs, reduce_name) if me == root else got
+    elif op == "scatter":
+        got = torch.empty(chunk, dtype=dtype, device=device)
+        pieces = list(xs[root].split(chunk)) if me == root else None
+        work = dist.scatter(got, pieces, global_root, group=group, async_op=use_async)
+        want = xs[root][me * chunk:(me + 1) * chunk]
+    else:  # gather
+        outs = [torch.empty_like(x) for _ in range(world)] if me == root else None
+        work = dist.gather(x, outs, global_root, group=group, async_op=use_async)
+        got, want = (outs, torch.cat(xs)) if me == root else (x, x)
+    if use_async:
+        work.wait()
+    if isinstance(got, list):
+        got = torch.cat(got)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if _same(got, want):
+        return None
+    return f"step {step}: {op} {dtype} {numel} elements on ranks {members} (async={use_async}) mismatched"
+
+
+def _tdist_segments() -> int:
+    return sum(1 for name in os.listdir("/dev/shm") if name.startswith("tdist-"))
+
+
+def _soak_rank(rank, world, device, steps, seed, max_bytes):
+    import warnings
+
+    import torch_tdist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renaming of *_tensor ops
+    groups = [(list(range(world)), None)]
+    if world > 2:
+        sub = list(range(world - 1))  # new_group is called by every rank, members or not
+        groups.append((sub, dist.new_group(sub, backend="tdist")))
+    for members, group in groups:  # heaps are created on first use: create them before counting
+        if rank in members:
+            dist.barrier(group=group)
+    heaps = [torch_tdist.get_heap(g) for m, g in groups if rank in m]
+    dist.barrier()  # every group's heap is set up (and its segment names gone) on every rank
+    start = {"maps": _tdist_mappings(), "shm": _tdist_segments(), "heap": [h._top for h in heaps]}
+    rng = random.Random(seed)
+    mismatches = [p for p in (_step(rng, i, seed, groups, rank, device, max_bytes) for i in range(steps)) if p]
+    dist.barrier()
+    return {"mismatches": mismatches,
+            "maps_growth": _tdist_mappings() - start["maps"] if device.type == "cpu" else 0,
+            "shm_growth": _tdist_segments() - start["shm"],
+            "heap_growth": sum(h._top for h in heaps) - sum(start["heap"]),
+            "stats": torch_tdist.stats()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-bytes", default="4M")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
+    print(f"tdist soak: {args.steps} random collectives on {args.nproc} ranks "
+          f"({device_kind(args.nproc)}), up to {args.max_bytes} per rank, seed {seed}", flush=True)
+    results = run_local(_soak_rank, args.nproc, args.steps, seed, parse_size(args.max_bytes, "--max-bytes"))
+    failed = [r for r, res in enumerate(results) if res is None]
+    if failed:
+        print(f"ranks {failed} failed", file=sys.stderr)
+        return 1
+    bad = False
+    for rank, res in enumerate(results):
+        grew = {k: res[k] for k in ("maps_growth", "shm_growth", "heap_growth") if res[k]}
+        served = sum(c["tdist"] for c in res["stats"].values())
+        fell_back = sum(c["fallback"] for c in res["stats"].values())
+        print(f"rank {rank}: {len(res['mismatches'])} mismatches, growth {grew or 'none'}, "
+              f"calls served by tdist {served}, by the fallback {fell_back}")
+        for line in res["mismatches"][:5]:
+            print("  " + line)
+        bad |= bool(res["mismatches"] or grew)
+    print("soak FAILED" if bad else "soak passed: every result matched, nothing grew")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
