@@ -17,3 +17,46 @@ def test_subgroup_create_destroy_cycles(pool, seed):
         assert r["maps"] == 0, f"rank {rank}: {r['maps']} heap mappings outlived their groups"
         assert r["rss_growth_mb"] < 64, f"rank {rank}: memory grew by {r['rss_growth_mb']:.0f} MB over 90 cycles"
     assert not (set(os.listdir("/dev/shm")) - before), "segments left in /dev/shm"
+
+
+def _reinit_rank(rank, world, tmp, results):
+    import torch
+    import torch.distributed as dist
+
+    import torch_tdist  # noqa: F401
+
+    sums = []
+    for i in range(3):
+        dist.init_process_group("tdist", store=dist.FileStore(os.path.join(tmp, f"store{i}"), world),
+                                rank=rank, world_size=world)
+        x = torch.full((1000,), float(rank + i))
+        dist.all_reduce(x)
+        sums.append(x[0].item())
+        dist.destroy_process_group()
+    with open("/proc/self/maps") as f:
+        maps = sum(1 for line in f if "/tdist-" in line)
+    results.put((rank, sums, maps))
+
+
+@pytest.mark.tdist_only
+def test_destroy_and_init_again_in_one_process():
+    import multiprocessing as mp
+    import tempfile
+
+    world = 2
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_reinit_rank, args=(r, world, tmp, results)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive and all(p.exitcode == 0 for p in procs), "a rank hung or failed"
+    reports = [results.get() for _ in range(world)]
+    for rank, sums, maps in reports:
+        assert sums == [sum(range(world)) + world * i for i in range(3)], f"rank {rank}: {sums}"
+        assert maps == 0, f"rank {rank}: {maps} heap mappings outlived the destroyed groups"

@@ -64,7 +64,14 @@ def resolve_transport(transport: str, device: torch.device) -> str:
 
 
 class _ShmSegment:
-    """One POSIX shared-memory segment mapped into this process; its handle is its name."""
+    """One POSIX shared-memory segment mapped into this process.
+
+    Its handle is ``name:token``. The owner writes the random token into the segment's first
+    bytes (the heap keeps them out of allocations), and a peer that opens the name checks the
+    owner, the mode and the token before using it: a file that is not this job's is refused.
+    """
+
+    TOKEN_BYTES = 16
 
     def __init__(self, path: str, nbytes: int, create: bool):
         flags = os.O_RDWR | os.O_NOFOLLOW | ((os.O_CREAT | os.O_EXCL) if create else 0)
@@ -72,27 +79,38 @@ class _ShmSegment:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
-            elif os.fstat(fd).st_size != nbytes:
-                raise ValueError(f"tdist: shared-memory segment {path} has the wrong size")
+            else:
+                info = os.fstat(fd)
+                if info.st_size != nbytes or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                    raise ValueError(f"tdist: shared-memory segment {path} is not this job's "
+                                     f"(size, owner or mode differ)")
             self._map = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         self.path = path
-        self.handle = os.path.basename(path).encode()
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @classmethod
     def create(cls, nbytes: int, device: torch.device) -> "_ShmSegment":
         path = os.path.join(SHM_DIR, f"tdist-{secrets.token_hex(16)}")
         try:
-            return cls(path, nbytes, create=True)
+            segment = cls(path, nbytes, create=True)
         except BaseException:
             _unlink(path)
             raise
+        token = secrets.token_bytes(cls.TOKEN_BYTES)
+        segment.bytes[:cls.TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+        segment.handle = os.path.basename(path).encode() + b":" + token.hex().encode()
+        return segment
 
     @classmethod
     def open(cls, handle: bytes, nbytes: int, device: torch.device) -> "_ShmSegment":
-        return cls(os.path.join(SHM_DIR, handle.decode()), nbytes, create=False)
+        name, _, token = handle.decode().partition(":")
+        segment = cls(os.path.join(SHM_DIR, name), nbytes, create=False)
+        if bytes(segment.bytes[:cls.TOKEN_BYTES].tolist()).hex() != token:
+            segment.close()
+            raise ValueError(f"tdist: shared-memory segment {name} does not carry this job's token")
+        return segment
 
     def all_peers_mapped(self):
         _unlink(self.path)  # nothing stays in /dev/shm, whatever happens to the job later
@@ -220,7 +238,7 @@ class SymmetricHeap:
         ctx[language.CTX_TIMEOUT_MS.value] = int(timeout.total_seconds() * 1000)
         self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
         self.bases = self.ctx[language.CTX_BASES.value:]
-        self._top = 0
+        self._top = language.HEAP_ALIGN  # the first bytes hold the segment's job token
 
     def alloc(self, nbytes: int, align: int = 256) -> int:
         """Reserve ``nbytes`` and return their offset; every rank must make the same calls."""
