@@ -1,4 +1,5 @@
-"""Plot a collectives benchmark result: bus bandwidth against message size, tdist and NCCL.
+"""Plot a collectives benchmark result: bus bandwidth (as the benchmark computed it) against
+message size, tdist and NCCL.
 
     python benchmarks/plot_collectives.py benchmarks/results/collectives_<machine>.json
 
@@ -14,16 +15,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BUS_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "broadcast": lambda w: 1.0}
-
-
-def bus_gbs(row, us):
-    world = row["world_size"]
-    factor = BUS_FACTOR.get(row["op"], lambda w: (w - 1) / w)(world)
-    message = row["bytes_per_rank"] * (world if row["op"] == "all_gather" else 1)
-    return factor * message / us / 1e3
-
-
 def main(path):
     result = json.load(open(path))
     by_op = defaultdict(list)
@@ -33,8 +24,8 @@ def main(path):
     for ax, (op, rows) in zip(axes[0], by_op.items()):
         rows.sort(key=lambda r: r["bytes_per_rank"])
         sizes = [r["bytes_per_rank"] for r in rows]
-        ax.plot(sizes, [bus_gbs(r, r["nccl_us"]) for r in rows], "o-", label="NCCL")
-        ax.plot(sizes, [bus_gbs(r, r["tdist_us"]) for r in rows], "s-", label="tdist")
+        ax.plot(sizes, [r["nccl_busbw_gbs"] for r in rows], "o-", label="NCCL")
+        ax.plot(sizes, [r["tdist_busbw_gbs"] for r in rows], "s-", label="tdist")
         ax.set_xscale("log", base=2)
         ax.set_title(op)
         ax.set_xlabel("bytes per rank")

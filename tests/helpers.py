@@ -28,19 +28,26 @@ def skip_unless_tdist(what: str):
                     f"{backend_under_test()!r} (everything before this point passed)")
 
 
-def assert_served_by_tdist(diffs, ops, what=""):
-    """`diffs`: per-rank stats diffs (see common.stats_diff).  Every rank must show
-    that each op in `ops` was served by tdist kernels at least once, and that
-    nothing fell back."""
+def assert_routed(diffs, ops, route, what=""):
+    """`diffs`: per-rank stats diffs (see common.stats_diff).  Every rank must show that each
+    op in `ops` went to `route` ("tdist" or "fallback") at least once and never to the other
+    route; when the route is "tdist", no op at all may have fallen back."""
+    other = "fallback" if route == "tdist" else "tdist"
     problems = []
     for r, d in enumerate(diffs):
         if d is None:
             problems.append(f"rank {r}: no torch_tdist.stats() (group is not a tdist group?)")
             continue
         for op in ops:
-            if d.get(op, {}).get("tdist", 0) < 1:
-                problems.append(f"rank {r}: stats()[{op!r}]['tdist'] did not increase (diff {d})")
-        for op, v in d.items():
-            if v["fallback"] != 0:
-                problems.append(f"rank {r}: stats()[{op!r}]['fallback'] changed by {v['fallback']} (diff {d})")
-    assert not problems, f"{what}: not served by tdist kernels:\n" + "\n".join(problems)
+            if d.get(op, {}).get(route, 0) < 1:
+                problems.append(f"rank {r}: stats()[{op!r}][{route!r}] did not increase (diff {d})")
+        for op in (d if route == "tdist" else ops):
+            changed = d.get(op, {}).get(other, 0)
+            if changed != 0:
+                problems.append(f"rank {r}: stats()[{op!r}][{other!r}] changed by {changed} (diff {d})")
+    assert not problems, f"{what}: not routed to {route}:\n" + "\n".join(problems)
+
+
+def assert_served_by_tdist(diffs, ops, what=""):
+    """Each op in `ops` was served by tdist kernels on every rank, and nothing fell back."""
+    assert_routed(diffs, ops, "tdist", what)

@@ -9,43 +9,28 @@ import pytest
 
 from tests import jobs_fallback as J
 from tests.common import STATS_OPS
-from tests.helpers import assert_served_by_tdist, skip_unless_tdist, ws_param
-
-
-def _assert_fell_back(diffs, ops, what):
-    problems = []
-    for r, d in enumerate(diffs):
-        if d is None:
-            problems.append(f"rank {r}: no torch_tdist.stats()")
-            continue
-        for op in ops:
-            v = d.get(op, {"tdist": 0, "fallback": 0})
-            if v["fallback"] < 1:
-                problems.append(f"rank {r}: stats()[{op!r}]['fallback'] did not increase (diff {d})")
-            if v["tdist"] != 0:
-                problems.append(f"rank {r}: stats()[{op!r}]['tdist'] changed by {v['tdist']} (diff {d})")
-    assert not problems, f"{what} should go to the fallback:\n" + "\n".join(problems)
+from tests.helpers import assert_routed, assert_served_by_tdist, skip_unless_tdist, ws_param
 
 
 @ws_param([2, 3])
 def test_send_recv_fallback(pool, seed):
     diffs = pool.run(J.send_recv, seed)
     skip_unless_tdist("stats() fallback accounting")
-    _assert_fell_back(diffs, ["send", "recv"], "send/recv")
+    assert_routed(diffs, ["send", "recv"], "fallback", "send/recv")
 
 
 @ws_param([2, 3])
 def test_all_reduce_int8_sum_fallback(pool, seed):
     diffs = pool.run(J.int8_sum, seed)
     skip_unless_tdist("stats() fallback accounting")
-    _assert_fell_back(diffs, ["all_reduce"], "all_reduce(int8, SUM)")
+    assert_routed(diffs, ["all_reduce"], "fallback", "all_reduce(int8, SUM)")
 
 
 @ws_param([2, 3])
 def test_all_reduce_band_int32_fallback(pool, seed):
     diffs = pool.run(J.band_int32, seed)
     skip_unless_tdist("stats() fallback accounting")
-    _assert_fell_back(diffs, ["all_reduce"], "all_reduce(int32, BAND)")
+    assert_routed(diffs, ["all_reduce"], "fallback", "all_reduce(int32, BAND)")
 
 
 COLLECTIVES = [op for op in STATS_OPS if op not in ("send", "recv")]
