@@ -26,7 +26,20 @@ import torch_tdist  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast", "all_to_all_moe")
+# MoE dispatch: 128 tokens per rank, hidden 7168 (bf16), each token to its top-8 of 8 experts per rank
+MOE_TOKENS, MOE_HIDDEN, MOE_TOP_K, MOE_EXPERTS_PER_RANK = 128, 7168, 8, 8
+
+
+def _moe_splits(world, seed=0):
+    """splits[src][dst]: tokens rank src sends to rank dst (the same table on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = world * MOE_EXPERTS_PER_RANK
+    splits = torch.zeros(world, world, dtype=torch.int64)
+    for src in range(world):
+        chosen = torch.rand(MOE_TOKENS, experts, generator=g).topk(MOE_TOP_K, dim=1).indices
+        splits[src] = torch.bincount((chosen // MOE_EXPERTS_PER_RANK).flatten(), minlength=world)
+    return splits
 
 
 def _call(op, group, inp, out):
@@ -40,9 +53,16 @@ def _call(op, group, inp, out):
         dist.all_to_all_single(out, inp, group=group)
     elif op == "broadcast":
         dist.broadcast(inp, 0, group=group)
+    elif op == "all_to_all_moe":
+        dist.all_to_all_single(out[0], inp, out[1], out[2], group=group)
 
 
 def _buffers(op, nbytes, world, device):
+    if op == "all_to_all_moe":
+        splits, rank = _moe_splits(world), dist.get_rank()
+        inp = torch.randn(int(splits[rank].sum()), MOE_HIDDEN, device=device).to(torch.bfloat16)
+        out = torch.empty(int(splits[:, rank].sum()), MOE_HIDDEN, device=device, dtype=torch.bfloat16)
+        return inp, (out, splits[:, rank].tolist(), splits[rank].tolist())
     n = max(nbytes // 2, world) // world * world  # bf16 elements per rank, divisible by world
     inp = torch.randn(n, device=device).to(torch.bfloat16)
     if op == "all_gather":
@@ -112,16 +132,20 @@ def main():
         print(f"host overhead per 4 KB all_reduce: tdist {overhead['tdist']} us, nccl {overhead['nccl']} us")
     rows = []
     for op in args.ops.split(","):
-        for nbytes in (parse_size(s) for s in args.sizes.split(",")):
+        sizes = [parse_size(s) for s in args.sizes.split(",")] if op != "all_to_all_moe" else [0]
+        for nbytes in sizes:
             inp, out = _buffers(op, nbytes, world, device)
             nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
             before = torch_tdist.stats(tdist_group)
             tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
             after = torch_tdist.stats(tdist_group)
-            name = {"all_gather": "all_gather_into_tensor",
-                    "reduce_scatter": "reduce_scatter_tensor"}.get(op, op)
+            name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                    "all_to_all_moe": "all_to_all_single"}.get(op, op)
             served = "tdist" if after[name]["fallback"] == before[name]["fallback"] else "fallback"
             msg_bytes = inp.numel() * inp.element_size() * (world if op == "all_gather" else 1)
+            if op == "all_to_all_moe":  # what leaves this rank (the slowest rank sets the time)
+                msg_bytes = int(max(_moe_splits(world)[r].sum() - _moe_splits(world)[r, r]
+                                    for r in range(world))) * MOE_HIDDEN * 2 * world / (world - 1)
             factor = _bus_factor(op, world) * msg_bytes / 1e3
             rows.append({"op": op, "bytes_per_rank": inp.numel() * inp.element_size(),
                          "world_size": world, "transport": "cuda", "served_by": served,

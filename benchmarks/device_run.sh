@@ -2,7 +2,7 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|bench|soak|all]
+#   bash benchmarks/device_run.sh [demo|test|bench|soak|all]   (all: demo, test, bench)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
@@ -18,6 +18,9 @@ echo "build: $(( $(date +%s) - start )) s"
 rc=0
 if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
+fi
+if [ "$what" = test ] || [ "$what" = all ]; then
+  timeout 900 python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = soak ]; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1

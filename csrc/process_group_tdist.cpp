@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include <c10/core/DeviceType.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -419,9 +420,19 @@ TDistWork::TDistWork(
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
     std::vector<at::Tensor> outputs)
-    : Work(rank, type, profilingTitle, inputs), outputs_(std::move(outputs)) {}
+    : Work(rank, type, profilingTitle, inputs),
+      inputs_(inputs),
+      outputs_(std::move(outputs)) {}
+
+void TDistWork::startOnStream(c10::Stream comm, bool blockHost) {
+  scope_.emplace(comm);
+  blockHost_ = blockHost;
+}
 
 void TDistWork::markDone() {
+  if (scope_) {
+    end_.emplace(scope_->recordEnd());
+  }
   std::vector<c10::Device> devices;
   for (const auto& t : outputs_) {
     if (!t.is_cpu() && std::find(devices.begin(), devices.end(), t.device()) ==
@@ -431,8 +442,37 @@ void TDistWork::markDone() {
   }
   future_ = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
+  // (on a GPU the future's events are recorded on the group's stream)
   future_->markCompleted(c10::IValue(outputs_));
+  scope_.reset();
+  if (!end_) {
+    inputs_.clear();
+  }
   finish();
+}
+
+bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (end_) {
+    if (blockHost_) {
+      end_->synchronize();
+    } else {
+      c10::impl::VirtualGuardImpl impl(end_->device_type());
+      end_->block(impl.getStream(end_->device()));
+    }
+    // the caller's stream now runs after the call: its tensors may be freed
+    inputs_.clear();
+  }
+  return true;
+}
+
+bool TDistWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !end_ || end_->query();
+}
+
+void TDistWork::synchronize() {
+  wait();
 }
 
 std::vector<at::Tensor> TDistWork::result() {
@@ -526,6 +566,10 @@ void ProcessGroupTDist::abort() {
 void ProcessGroupTDist::shutdown() {
   if (shutDown_.exchange(true)) {
     return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(plansMutex_);
+    plans_.clear(); // they point into the heap the executor frees
   }
   if (Py_IsInitialized() && !pythonIsFinalizing()) {
     py::gil_scoped_acquire gil;
@@ -676,22 +720,91 @@ void ProcessGroupTDist::count(Op op, Route route, size_t n) {
 }
 
 template <typename... Args>
-void ProcessGroupTDist::execute(Op op, const char* method, Args&&... args) {
+std::optional<LaunchPlan> ProcessGroupTDist::execute(
+    Op op,
+    const char* method,
+    Args&&... args) {
   py::gil_scoped_acquire gil;
   try {
-    executor_.get().attr(method)(std::forward<Args>(args)...);
+    py::object plan =
+        executor_.get().attr(method)(std::forward<Args>(args)...);
+    if (plan.is_none()) {
+      return std::nullopt;
+    }
+    return LaunchPlan::fromPython(plan);
   } catch (py::error_already_set& e) {
     throwPythonError(op, e);
   }
+}
+
+template <typename... Args>
+void ProcessGroupTDist::executePlanned(
+    const PlanKey& key,
+    const at::Tensor& input,
+    const at::Tensor& output,
+    Op op,
+    const char* method,
+    Args&&... args) {
+  if (!input.is_cpu() && LaunchPlan::fits(input) && LaunchPlan::fits(output)) {
+    std::lock_guard<std::mutex> lock(plansMutex_);
+    auto it = plans_.find(key);
+    if (it != plans_.end()) {
+      c10::impl::VirtualGuardImpl impl(input.device().type());
+      it->second.launch(
+          input, output, impl.getStream(input.device()).native_handle());
+      return;
+    }
+  }
+  auto plan = execute(op, method, std::forward<Args>(args)...);
+  if (plan) {
+    std::lock_guard<std::mutex> lock(plansMutex_);
+    plans_.emplace(key, std::move(*plan));
+  }
+}
+
+PlanKey ProcessGroupTDist::planKey(
+    Op op,
+    const at::Tensor& input,
+    const at::Tensor& output,
+    int reduceOp,
+    int64_t root) const {
+  return PlanKey{
+      static_cast<int>(op),
+      static_cast<int>(input.scalar_type()),
+      input.numel(),
+      output.numel(),
+      reduceOp,
+      root,
+      static_cast<int>(input.device().index())};
+}
+
+c10::Stream ProcessGroupTDist::commStream(const c10::Device& device) {
+  if (!commStream_ || commStream_->device() != device) {
+    commStream_ = newCommStream(device);
+  }
+  return *commStream_;
 }
 
 c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     Op op,
     OpType type,
     const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs) {
-  return c10::make_intrusive<TDistWork>(
+    const std::vector<at::Tensor>& outputs,
+    std::optional<c10::Device> device) {
+  auto work = c10::make_intrusive<TDistWork>(
       rank_, type, kProfilingTitles[static_cast<int>(op)], inputs, outputs);
+  if (!device) {
+    for (const auto* list : {&outputs, &inputs}) {
+      if (!list->empty()) {
+        device = list->front().device();
+        break;
+      }
+    }
+  }
+  if (device && device->type() != c10::kCPU) {
+    work->startOnStream(commStream(*device), op == Op::Barrier);
+  }
+  return work;
 }
 
 WorkPtr ProcessGroupTDist::finishWork(
@@ -785,7 +898,14 @@ WorkPtr ProcessGroupTDist::_allgather_base(
         ._allgather_base(output, input, opts);
   }
   auto work = startWork(op, OpType::_ALLGATHER_BASE, {input}, {output});
-  execute(op, "all_gather_into_tensor", output, input);
+  executePlanned(
+      planKey(op, input, output),
+      input,
+      output,
+      op,
+      "all_gather_into_tensor",
+      output,
+      input);
   return finishWork(work, op);
 }
 
@@ -911,7 +1031,10 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
         ._reduce_scatter_base(output, input, opts);
   }
   auto work = startWork(op, OpType::_REDUCE_SCATTER_BASE, {input}, {output});
-  execute(
+  executePlanned(
+      planKey(op, input, output, static_cast<int>(opts.reduceOp.op_)),
+      input,
+      output,
       op,
       "reduce_scatter_tensor",
       output,
@@ -996,7 +1119,14 @@ WorkPtr ProcessGroupTDist::allreduce(
     return fallbackFor(op, t.device().type()).allreduce(tensors, opts);
   }
   auto work = startWork(op, OpType::ALLREDUCE, tensors, tensors);
-  execute(op, "all_reduce", t, executorOpName(opts.reduceOp.op_));
+  executePlanned(
+      planKey(op, t, t, static_cast<int>(opts.reduceOp.op_)),
+      t,
+      t,
+      op,
+      "all_reduce",
+      t,
+      executorOpName(opts.reduceOp.op_));
   return finishWork(work, op);
 }
 
@@ -1062,7 +1192,21 @@ WorkPtr ProcessGroupTDist::alltoall_base(
             output, input, outputSplitSizes, inputSplitSizes, opts);
   }
   auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output});
-  execute(op, "all_to_all_single", output, input, outSplits, inSplits);
+  if (inputSplitSizes.empty() && outputSplitSizes.empty()) {
+    // even splits: the shapes alone determine the call
+    executePlanned(
+        planKey(op, input, output),
+        input,
+        output,
+        op,
+        "all_to_all_single",
+        output,
+        input,
+        outSplits,
+        inSplits);
+  } else {
+    execute(op, "all_to_all_single", output, input, outSplits, inSplits);
+  }
   return finishWork(work, op);
 }
 
@@ -1106,7 +1250,14 @@ WorkPtr ProcessGroupTDist::broadcast(
     return fallbackFor(op, t.device().type()).broadcast(tensors, opts);
   }
   auto work = startWork(op, OpType::BROADCAST, tensors, tensors);
-  execute(op, "broadcast", t, opts.rootRank);
+  executePlanned(
+      planKey(op, t, t, -1, opts.rootRank),
+      t,
+      t,
+      op,
+      "broadcast",
+      t,
+      opts.rootRank);
   return finishWork(work, op);
 }
 
@@ -1116,7 +1267,13 @@ WorkPtr ProcessGroupTDist::barrier(const c10d::BarrierOptions& opts) {
     count(op, Route::Fallback);
     return fallbackForBarrier(opts).barrier(opts);
   }
-  auto work = startWork(op, OpType::BARRIER, {}, {});
+  std::optional<c10::Device> device;
+  if (served_.count(c10::kCUDA) > 0) {
+    device = opts.device.has_value()
+        ? *opts.device
+        : c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
+  }
+  auto work = startWork(op, OpType::BARRIER, {}, {}, device);
   execute(op, "barrier");
   return finishWork(work, op);
 }

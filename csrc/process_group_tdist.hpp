@@ -3,12 +3,16 @@
 // C++ validates every call, decides whether tdist serves it or the inner
 // fallback backend (Gloo on CPU, NCCL on CUDA) does, and hands served calls
 // to a Python executor object (torch_tdist.collectives) that launches the
-// Triton kernels. Served calls complete before they return.
+// Triton kernels, or replays a launch plan the executor recorded. CPU calls
+// complete before they return; GPU calls run on the group's stream and their
+// Work's wait() orders the caller's stream after them (device_path.hpp).
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -19,6 +23,8 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
+
+#include "device_path.hpp"
 
 namespace tdist {
 
@@ -47,8 +53,10 @@ constexpr int kNumOps = static_cast<int>(Op::kCount);
 
 const char* opName(Op op);
 
-// A Work that finishes synchronously: construct it before the executor runs
-// (so a profiler range covers the call), then call markDone().
+// Construct it before the executor runs (so a profiler range covers the
+// call), then call markDone(). On a GPU, startOnStream() first puts the call
+// on the group's stream; markDone() then records the end of its work there,
+// keeps the tensors alive until wait(), and returns to the caller's stream.
 class TDistWork : public c10d::Work {
  public:
   TDistWork(
@@ -58,7 +66,14 @@ class TDistWork : public c10d::Work {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
 
+  void startOnStream(c10::Stream comm, bool blockHost);
   void markDone();
+
+  // GPU: the caller's current stream waits for the call (the host too for a
+  // barrier); CPU: nothing left to wait for.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  bool isCompleted() override;
+  void synchronize() override;
 
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -67,9 +82,14 @@ class TDistWork : public c10d::Work {
   void setSequenceNumber(uint64_t seq);
 
  private:
+  std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_ = 0;
+  std::optional<StreamScope> scope_; // while the call is being issued
+  std::optional<c10::Event> end_;
+  bool blockHost_ = false;
+  std::mutex mutex_;
 };
 
 // Owns one Python reference and drops it under the GIL; the backend can be
@@ -245,16 +265,37 @@ class ProcessGroupTDist : public c10d::Backend {
 
   void count(Op op, Route route, size_t n = 1);
 
-  // Calls executor.<method>(args...) under the GIL; Python exceptions come
-  // back as c10 errors that keep their message.
+  // Calls executor.<method>(args...) under the GIL and returns the launch
+  // plan it may return; Python exceptions come back as c10 errors that keep
+  // their message.
   template <typename... Args>
-  void execute(Op op, const char* method, Args&&... args);
+  std::optional<LaunchPlan> execute(Op op, const char* method, Args&&... args);
 
+  // Replays the plan for `key` when there is one and the tensors fit it;
+  // otherwise calls the executor, which may return a plan for next time.
+  template <typename... Args>
+  void executePlanned(
+      const PlanKey& key,
+      const at::Tensor& input,
+      const at::Tensor& output,
+      Op op,
+      const char* method,
+      Args&&... args);
+  PlanKey planKey(
+      Op op,
+      const at::Tensor& input,
+      const at::Tensor& output,
+      int reduceOp = -1,
+      int64_t root = -1) const;
+
+  // `device`: where the call runs when it has no tensors (a barrier).
   c10::intrusive_ptr<TDistWork> startWork(
       Op op,
       c10d::OpType type,
       const std::vector<at::Tensor>& inputs,
-      const std::vector<at::Tensor>& outputs);
+      const std::vector<at::Tensor>& outputs,
+      std::optional<c10::Device> device = std::nullopt);
+  c10::Stream commStream(const c10::Device& device);
   c10::intrusive_ptr<c10d::Work> finishWork(
       c10::intrusive_ptr<TDistWork> work,
       Op op,
@@ -267,6 +308,10 @@ class ProcessGroupTDist : public c10d::Backend {
       fallbacks_;
   std::unordered_set<c10::DeviceType> served_;
   std::vector<c10::DeviceType> devices_;
+
+  std::optional<c10::Stream> commStream_; // the group's stream on its GPU
+  std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
+  std::mutex plansMutex_;
 
   std::array<std::atomic<uint64_t>, kNumOps> tdistCount_{};
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};

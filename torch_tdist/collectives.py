@@ -1,8 +1,11 @@
-"""Host side of every collective: staging layout, segment lists, launches.
+"""Host side of every collective: heap layout, algorithm choice, launches.
 
 The C++ backend (``torch_tdist._C.ProcessGroupTDist``) validates arguments, counts calls and
 hands each served op to an :class:`Executor` method of the same name as torch.distributed's
-function. Every op is the publish/pull pair of ``triton_kernels/staged.py``.
+function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barrier are one
+launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
+mailbox slot); reduce, scatter and gather are the publish/pull pair of
+``triton_kernels/staged.py``.
 """
 
 import os
@@ -12,13 +15,19 @@ import torch
 import triton.language as tl
 
 from . import language
-from .heap import SymmetricHeap, heap_options
-from .triton_kernels import staged
+from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
+from .triton_kernels import oneshot, staged
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
 BLOCK = 8192 if language.INTERPRET else 4096
 MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
+# One-shot launches: bytes one program moves per step, and programs (at most one per SM, so
+# that every program of a launch is resident while it waits for its peers).
+ONESHOT_BLOCK_BYTES = 16384
+ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
+ONESHOT_A2A_PROGRAMS = 1 if language.INTERPRET else 64  # fixed: ranks' counts differ
+ONESHOT_WARPS = 8
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
@@ -80,6 +89,8 @@ class Executor:
         self._stage_views = {}
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
+        self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
+        self._planned = []  # tensors that launch plans point to
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
 
     # ---- state -------------------------------------------------------------------------
@@ -90,16 +101,23 @@ class Executor:
                     f"tdist {op}: tensors are on {device}, but this group's symmetric heap is on "
                     f"{self._heap.device} (one device per rank and group)")
             return
-        heap = SymmetricHeap(self.store, self.rank, self.world_size, self.heap_bytes, self.timeout,
+        nbytes = self.heap_bytes or DEFAULT_HEAP_BYTES[device.type]
+        heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout,
                              device=device, transport=self.transport)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(staged.HEADER_FIXED.value + 2 * world, torch.int64)
-        # Collectives stage through half of the heap; the other half is for users' own
-        # symmetric buffers (torch_tdist.get_heap(group).empty(...)).
-        self._stage_bytes = heap.nbytes // 2
+        self._flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
+        self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
+        self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
+        # Mailboxes take half of the heap (two slots per peer), staging a quarter; the last
+        # quarter is for users' own symmetric buffers (torch_tdist.get_heap(group).empty(...)).
+        self._slot_bytes = nbytes // 4 // world // 256 * 256
+        self._box_offset = heap.alloc(2 * world * self._slot_bytes)
+        self._stage_bytes = nbytes // 4
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        self._box_views = {}
         self._heap = heap
 
     def _default_device(self) -> torch.device:
@@ -125,6 +143,14 @@ class Executor:
             self._stage_views[dtype] = view
         return view
 
+    def _box(self, dtype: torch.dtype) -> torch.Tensor:
+        view = self._box_views.get(dtype)
+        if view is None:
+            count = 2 * self.world_size * self._slot_bytes // dtype.itemsize
+            view = self._heap.view(self._box_offset, (count,), dtype)
+            self._box_views[dtype] = view
+        return view
+
     def _table(self, values, device) -> torch.Tensor:
         """An int64 table (segments, a header) on the device; cached, so a repeated op costs no copy."""
         key = tuple(values)
@@ -142,6 +168,7 @@ class Executor:
                                f"and create a new one")
         device = self._default_device() if tensor is None else _canonical(tensor.device)
         self._ensure_heap(device, op)
+        self._launched = []
 
     # ---- the two phases ----------------------------------------------------------------
     def _publish(self, op: str, src: torch.Tensor, count: int, header: list[int] | None = None):
@@ -187,9 +214,39 @@ class Executor:
                      WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
         self._check_status(op, out.dtype, count)
 
+    def _oneshot(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
+                 stride: int = 0, reduce_op: str = "sum", root: int = 0, tables=None,
+                 aligned: bool = True):
+        """One launch of ``oneshot_kernel`` (arguments as there)."""
+        dtype = dst.dtype
+        block = BLOCK if language.INTERPRET else ONESHOT_BLOCK_BYTES // dtype.itemsize
+        if mode == "all_to_all":
+            programs = ONESHOT_A2A_PROGRAMS
+        else:
+            programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
+        vector = max(16 // dtype.itemsize, 1)
+        copy = mode in ("all_gather", "broadcast", "all_to_all")
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
+        self._launch(op, oneshot.oneshot_kernel, (programs,),
+                     self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
+                     self._flags, self._words, self._counter, n, stride, root,
+                     _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
+                     self._empty_header if tables is None else tables,
+                     MODE=mode, WORLD=self.world_size, BLOCK=block,
+                     ALIGN=vector if aligned else 1, OP="sum" if copy else reduce_op,
+                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS, **meta)
+        self._check_status(op, dtype, n, self._counter[2:3])
+
+    def _slot_rounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+        """(start, length) pieces of ``numel`` elements that each fit a mailbox slot."""
+        capacity = self._slot_bytes // dtype.itemsize
+        return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
+
     def _launch(self, op: str, kernel, grid, *args, **meta):
         try:
-            kernel[grid](*args, **meta)
+            compiled = kernel[grid](*args, **meta)
+            if not language.INTERPRET:
+                self._launched.append((kernel, compiled, grid, args, meta))
         except Exception as err:
             cause = err
             while cause is not None and not isinstance(cause, language.PeerTimeoutError):
@@ -200,12 +257,52 @@ class Executor:
                 raise TimeoutError(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
             raise
 
-    def _check_status(self, op: str, dtype: torch.dtype, count: int):
-        """Raise if a pull saw a peer whose call differs from ours (on GPUs this reads device
+    def _plan(self, src: torch.Tensor, dst: torch.Tensor):
+        """The call's launch as C++ can replay it for the next call of this shape (see
+        ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params)``, each
+        param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, 2 the input's address and
+        3 the output's. None when the call was not one plain launch on ``src`` and ``dst``."""
+        if language.INTERPRET or self._check_calls or len(self._launched) != 1:
+            return None
+        (kernel, compiled, grid, args, meta), = self._launched
+        self._launched = []
+        md = compiled.metadata
+        if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0)
+                or getattr(md, "profile_scratch_size", 0) or getattr(md, "launch_cooperative_grid", False)
+                or getattr(md, "launch_pdl", False) or compiled.function is None):
+            return None
+        bound = dict(zip(kernel.arg_names, args), **meta)
+        roles = {"src": (src.data_ptr(), 2), "dst": (dst.data_ptr(), 3)}
+        params, pinned = [], []
+        for name, kind in compiled.src.signature.items():
+            value = bound[name]
+            if kind == "constexpr":
+                continue
+            if kind.startswith("*"):
+                if name in roles:
+                    if value.data_ptr() != roles[name][0] or value.data_ptr() % 16:
+                        return None  # a copy of the caller's tensor, or unaligned
+                    params.append((roles[name][1], 0))
+                else:
+                    params.append((0, value.data_ptr()))
+                    pinned.append(value)
+            elif kind in ("i32", "u32"):
+                params.append((1, int(value) & 0xFFFFFFFF))
+            elif kind in ("i64", "u64"):
+                params.append((0, int(value) & 0xFFFFFFFFFFFFFFFF))
+            else:
+                return None
+        params += [(0, 0), (0, 0)]  # Triton's global and profile scratch pointers: none
+        self._planned.extend(pinned)
+        return (compiled.function, (grid + (1, 1))[:3], 32 * md.num_warps, md.shared, params)
+
+    def _check_status(self, op: str, dtype: torch.dtype, count: int, status_slot=None):
+        """Raise if a kernel saw a peer whose call differs from ours (on GPUs this reads device
         memory, so it runs only with TDIST_CHECK_CALLS=1)."""
         if not self._check_calls:
             return
-        status_slot = self._signals[2 * self.world_size + 2:2 * self.world_size + 3]
+        if status_slot is None:
+            status_slot = self._signals[2 * self.world_size + 2:2 * self.world_size + 3]
         status = int(status_slot[0])
         if status == staged.STATUS_OK.value:
             return
@@ -224,6 +321,7 @@ class Executor:
     # ---- the collectives (names as in torch.distributed) ---------------------------------
     def all_gather_into_tensor(self, output, input):
         self._gather_to_all("all_gather_into_tensor", [output], input)
+        return self._plan(input, output)
 
     def all_gather(self, outputs, input):
         self._gather_to_all("all_gather", list(outputs), input)
@@ -233,14 +331,15 @@ class Executor:
         src = _flat(input)
         out = _Output(targets)
         n = src.numel()
-        order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        for start, length in self._rounds(n, src.dtype):
-            self._publish(op, src[start:start + length], count=n)
-            self._pull_copy(op, out.flat, [(p, 0, p * n + start, length) for p in order], count=n)
+        aligned = n % max(16 // src.element_size(), 1) == 0
+        for start, length in self._slot_rounds(n, src.dtype):
+            self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
+                          aligned=aligned)
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
         self._reduce_scatter("reduce_scatter_tensor", output, _flat(input), op)
+        return self._plan(input, output)
 
     def reduce_scatter(self, output, inputs, op):
         self._reduce_scatter("reduce_scatter", output, torch.cat([_flat(t) for t in inputs]), op)
@@ -249,14 +348,15 @@ class Executor:
         self._begin(name, output)
         out = _Output([output])
         n = output.numel()
-        for start, length in self._rounds(n, src.dtype, parts=self.world_size):
-            self._publish(name, _columns(src, self.world_size, start, length), count=src.numel())
-            self._pull_reduce(name, out.flat[start:start + length], self.rank * length, length,
-                              reduce_op, count=src.numel())
+        aligned = n % max(16 // src.element_size(), 1) == 0
+        for start, length in self._slot_rounds(n, src.dtype):
+            self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length, stride=n,
+                          reduce_op=reduce_op, aligned=aligned)
         out.finish()
 
     def all_reduce(self, tensor, op):
         self._reduce("all_reduce", tensor, op, dst=None)
+        return self._plan(tensor, tensor)
 
     def reduce(self, tensor, dst, op):
         self._reduce("reduce", tensor, op, dst=dst)
@@ -265,7 +365,13 @@ class Executor:
         self._begin(name, tensor)
         src = _flat(tensor)
         out = _Output([tensor])
-        keeps_result = dst is None or dst == self.rank
+        if dst is None:
+            for start, length in self._slot_rounds(src.numel(), src.dtype):
+                self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
+                              reduce_op=reduce_op)
+            out.finish()
+            return
+        keeps_result = dst == self.rank
         for start, length in self._rounds(src.numel(), src.dtype):
             self._publish(name, src[start:start + length], count=src.numel())
             self._pull_reduce(name, out.flat[start:start + length], 0, length if keeps_result else 0,
@@ -279,6 +385,7 @@ class Executor:
         row_out = output.numel() // rows_out if output.shape[0] else _row_numel(output)
         self._exchange("all_to_all_single", [output], [row_out * s for s in output_split_sizes],
                        _flat(input), [row_in * s for s in input_split_sizes])
+        return self._plan(input, output)
 
     def all_to_all(self, outputs, inputs):
         src = torch.cat([_flat(t) for t in inputs])
@@ -287,29 +394,29 @@ class Executor:
 
     def _exchange(self, op, targets, recv_counts, src, send_counts):
         self._begin(op, src)
-        send_offsets = _offsets(send_counts)
-        self._publish(op, src, count=NO_COUNT, header=send_offsets + send_counts)
+        capacity = self._slot_bytes // src.element_size()
+        if max(send_counts + recv_counts) > capacity:
+            raise ValueError(
+                f"tdist {op}: {max(send_counts + recv_counts)} elements between two ranks, but a "
+                f"mailbox holds {capacity} {str(src.dtype).replace('torch.', '')} elements; raise "
+                f"TDIST_HEAP_SIZE (or the backend option 'heap_size'); a slot is 1/(4 x world size) "
+                f"of the heap")
         out = _Output(targets)
-        recv_offsets = _offsets(recv_counts)
-        order = [(self.rank + i) % self.world_size for i in range(self.world_size)]
-        self._pull_copy(op, out.flat,
-                        [(p, 0, recv_offsets[p], recv_counts[p]) for p in order],
-                        count=NO_COUNT, from_header=True)
+        tables = _offsets(send_counts) + send_counts + _offsets(recv_counts) + recv_counts
+        vector = max(16 // src.element_size(), 1)
+        self._oneshot(op, "all_to_all", src, out.flat, 0, tables=self._table(tables, src.device),
+                      aligned=all(v % vector == 0 for v in tables))
         out.finish()
 
     def broadcast(self, tensor, src):
         self._begin("broadcast", tensor)
-        count = tensor.numel()
-        if self.rank == src:
-            data = _flat(tensor)
-            for start, length in self._rounds(count, tensor.dtype):
-                self._publish("broadcast", data[start:start + length], count=count)
-                self._pull_copy("broadcast", data, [], count=count)
-            return
+        data = _flat(tensor)
         out = _Output([tensor])
-        for start, length in self._rounds(count, tensor.dtype):
-            self._pull_copy("broadcast", out.flat, [(src, 0, start, length)], count=count)
-        out.finish()
+        for start, length in self._slot_rounds(data.numel(), data.dtype):
+            self._oneshot("broadcast", "broadcast", data[start:], out.flat[start:], length, root=src)
+        if self.rank != src:
+            out.finish()
+        return self._plan(tensor, tensor)
 
     def scatter(self, output, inputs, src):
         self._begin("scatter", output)
@@ -342,12 +449,13 @@ class Executor:
     def barrier(self):
         self._begin("barrier", None)
         nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
-        self._publish("barrier", nothing, count=0)
-        self._pull_copy("barrier", nothing, [(p, 0, 0, 0) for p in range(self.world_size)], count=0)
+        self._oneshot("barrier", "all_reduce", nothing, nothing, 0)
 
     def close(self):
         if self._heap is not None:
             self._stage_views.clear()
+            self._box_views.clear()
+            self._planned.clear()
             self._tables.clear()
             self._heap.close()
             self._heap = None

@@ -20,7 +20,7 @@ import torch
 from . import language
 
 TRANSPORTS = ("auto", "shm", "cuda", "nvshmem")
-DEFAULT_HEAP_BYTES = 64 << 20
+DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group
 SHM_DIR = "/dev/shm"
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -36,8 +36,9 @@ def parse_size(text: str, what: str = "TDIST_HEAP_SIZE") -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
-def heap_options(options=None) -> tuple[str, int]:
-    """(transport, heap bytes) from the backend options or TDIST_TRANSPORT / TDIST_HEAP_SIZE."""
+def heap_options(options=None) -> tuple[str, int | None]:
+    """(transport, heap bytes) from the backend options or TDIST_TRANSPORT / TDIST_HEAP_SIZE
+    (None: the device's default, DEFAULT_HEAP_BYTES)."""
     options = options or {}
     transport = str(options.get("transport") or os.environ.get("TDIST_TRANSPORT") or "auto").lower()
     if transport not in TRANSPORTS:
@@ -45,8 +46,7 @@ def heap_options(options=None) -> tuple[str, int]:
             f"tdist: unknown transport {transport!r} (TDIST_TRANSPORT or the backend option "
             f"'transport'); expected one of {', '.join(TRANSPORTS)}")
     size = options.get("heap_size") or os.environ.get("TDIST_HEAP_SIZE")
-    nbytes = DEFAULT_HEAP_BYTES if size is None else parse_size(size)
-    return transport, nbytes
+    return transport, None if size is None else parse_size(size)
 
 
 def resolve_transport(transport: str, device: torch.device) -> str:

@@ -1,0 +1,146 @@
+#include "device_path.hpp"
+
+#include <dlfcn.h>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+namespace tdist {
+
+namespace {
+
+c10::impl::VirtualGuardImpl guardFor(c10::DeviceType type) {
+  return c10::impl::VirtualGuardImpl(type);
+}
+
+// cuLaunchKernel from the driver library torch already loaded; taken at run
+// time so the extension needs no CUDA toolkit to build.
+using DriverLaunch = int (*)(
+    void* function,
+    unsigned gridX,
+    unsigned gridY,
+    unsigned gridZ,
+    unsigned blockX,
+    unsigned blockY,
+    unsigned blockZ,
+    unsigned sharedBytes,
+    void* stream,
+    void** params,
+    void** extra);
+
+DriverLaunch driverLaunch() {
+  static DriverLaunch fn = []() -> DriverLaunch {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) {
+      lib = dlopen("libcuda.so.1", RTLD_NOW);
+    }
+    TORCH_CHECK(lib != nullptr, "tdist: cannot open libcuda.so.1: ", dlerror());
+    void* sym = dlsym(lib, "cuLaunchKernel");
+    TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no cuLaunchKernel");
+    return reinterpret_cast<DriverLaunch>(sym);
+  }();
+  return fn;
+}
+
+} // namespace
+
+StreamScope::StreamScope(c10::Stream comm)
+    : comm_(comm), caller_(guardFor(comm.device_type()).getStream(comm.device())) {
+  c10::Event ready(comm.device_type());
+  ready.record(caller_);
+  ready.block(comm_);
+  guardFor(comm.device_type()).exchangeStream(comm_);
+}
+
+StreamScope::~StreamScope() {
+  guardFor(comm_.device_type()).exchangeStream(caller_);
+}
+
+c10::Event StreamScope::recordEnd() const {
+  c10::Event end(comm_.device_type());
+  end.record(comm_);
+  return end;
+}
+
+c10::Stream newCommStream(const c10::Device& device) {
+  return guardFor(device.type())
+      .getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+}
+
+bool PlanKey::operator==(const PlanKey& o) const {
+  return op == o.op && dtype == o.dtype && numelIn == o.numelIn &&
+      numelOut == o.numelOut && reduceOp == o.reduceOp && root == o.root &&
+      device == o.device;
+}
+
+size_t PlanKeyHash::operator()(const PlanKey& k) const {
+  size_t h = std::hash<int64_t>()(k.numelIn);
+  for (int64_t v :
+       {static_cast<int64_t>(k.op),
+        static_cast<int64_t>(k.dtype),
+        k.numelOut,
+        static_cast<int64_t>(k.reduceOp),
+        k.root,
+        static_cast<int64_t>(k.device)}) {
+    h = h * 1000003u ^ std::hash<int64_t>()(v);
+  }
+  return h;
+}
+
+LaunchPlan LaunchPlan::fromPython(const py::handle& plan) {
+  LaunchPlan p;
+  auto tuple = plan.cast<py::tuple>();
+  TORCH_CHECK(tuple.size() == 5, "tdist: a launch plan is a 5-tuple");
+  p.function_ = reinterpret_cast<void*>(tuple[0].cast<uint64_t>());
+  auto grid = tuple[1].cast<std::vector<unsigned>>();
+  TORCH_CHECK(grid.size() == 3, "tdist: a launch plan's grid has 3 sizes");
+  std::copy(grid.begin(), grid.end(), p.grid_.begin());
+  p.threads_ = tuple[2].cast<unsigned>();
+  p.sharedBytes_ = tuple[3].cast<unsigned>();
+  p.params_ = tuple[4].cast<std::vector<std::pair<int, uint64_t>>>();
+  TORCH_CHECK(
+      p.params_.size() <= kMaxParams, "tdist: a launch plan has too many parameters");
+  return p;
+}
+
+bool LaunchPlan::fits(const at::Tensor& t) {
+  return t.is_contiguous() &&
+      reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+void LaunchPlan::launch(
+    const at::Tensor& input,
+    const at::Tensor& output,
+    void* stream) const {
+  std::array<uint64_t, kMaxParams> values{};
+  std::array<void*, kMaxParams> args{};
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [kind, value] = params_[i];
+    switch (kind) {
+      case InputPtr:
+        values[i] = reinterpret_cast<uintptr_t>(input.data_ptr());
+        break;
+      case OutputPtr:
+        values[i] = reinterpret_cast<uintptr_t>(output.data_ptr());
+        break;
+      default: // a 32-bit literal sits in the low bytes (little-endian)
+        values[i] = value;
+    }
+    args[i] = &values[i];
+  }
+  int rc = driverLaunch()(
+      function_,
+      grid_[0],
+      grid_[1],
+      grid_[2],
+      threads_,
+      1,
+      1,
+      sharedBytes_,
+      stream,
+      args.data(),
+      nullptr);
+  TORCH_CHECK(rc == 0, "tdist: cuLaunchKernel failed with CUDA error ", rc);
+}
+
+} // namespace tdist

@@ -1,0 +1,90 @@
+// The GPU side of a served call, written against c10's device-generic stream
+// and event API (no CUDA headers, so the same sources build with CPU torch):
+//
+// - StreamScope: a call's kernels run on the group's own stream, after
+//   everything the caller's current stream had queued (NCCL's semantics).
+//   All of a group's launches on a rank then run in one order, which the
+//   kernels' epoch signals rely on.
+// - LaunchPlan: the one kernel launch that served a call, as Python's
+//   executor made it the first time, replayed from C++ for later calls of the
+//   same shape with only the input and output pointers changed: no Python,
+//   no Triton launcher on the hot path.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace tdist {
+
+class StreamScope {
+ public:
+  // Orders `comm` after the caller's current stream and makes it current.
+  explicit StreamScope(c10::Stream comm);
+  ~StreamScope(); // makes the caller's stream current again
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+  // An event recorded on the group's stream after the call's work.
+  c10::Event recordEnd() const;
+  const c10::Stream& stream() const {
+    return comm_;
+  }
+
+ private:
+  c10::Stream comm_;
+  c10::Stream caller_;
+};
+
+// A pool stream of the device for the group's work.
+c10::Stream newCommStream(const c10::Device& device);
+
+// Identifies calls that one recorded launch serves.
+struct PlanKey {
+  int op;
+  int dtype;
+  int64_t numelIn;
+  int64_t numelOut;
+  int reduceOp;
+  int64_t root;
+  int device;
+  bool operator==(const PlanKey& o) const;
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const;
+};
+
+class LaunchPlan {
+ public:
+  // What one kernel parameter holds.
+  enum Kind : int { Literal64 = 0, Literal32 = 1, InputPtr = 2, OutputPtr = 3 };
+
+  // From the executor's tuple: (function, (gx, gy, gz), threads, shared
+  // bytes, [(kind, value), ...]).
+  static LaunchPlan fromPython(const py::handle& plan);
+
+  // Whether the tensors may take the place of the recorded ones: contiguous
+  // and as aligned as the compiled kernel assumed.
+  static bool fits(const at::Tensor& t);
+
+  // Launches on `stream` (a native stream handle).
+  void launch(const at::Tensor& input, const at::Tensor& output, void* stream)
+      const;
+
+ private:
+  static constexpr size_t kMaxParams = 40;
+  void* function_ = nullptr;
+  std::array<unsigned, 3> grid_{1, 1, 1};
+  unsigned threads_ = 0;
+  unsigned sharedBytes_ = 0;
+  std::vector<std::pair<int, uint64_t>> params_;
+};
+
+} // namespace tdist

@@ -1,0 +1,270 @@
+"""tdist on GPUs, checked against NCCL in the same job (one process per GPU).
+
+    torchrun --nproc-per-node 4 -m tests.gpu_checks [--only NAME,...]
+
+Run by ``tests/test_gpu.py`` (pytest -m gpu) on the device. The default group is NCCL; every
+check runs the same call on a tdist group and on NCCL with fresh random inputs and compares.
+Each call shape runs three times: the first is served by Python's executor, the later ones by
+the launch plan it recorded (``csrc/device_path.hpp``). Prints one line per check and exits
+non-zero if any failed.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1", "TDIST_GPU_KERNELS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
+          torch.uint8)
+SIZES = (1001, 65536)  # elements per rank: odd (unaligned), and several programs' worth
+ALL_REDUCE_OPS_FOR = (torch.float32, torch.bfloat16)  # other dtypes: sum only (compile time)
+REPEATS = 3
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+_failures = []
+_checked = 0
+
+
+def _rand(n, dtype, device, gen):
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=gen, device=device).to(dtype)
+    high = 4 if dtype == torch.uint8 else 1000
+    return torch.randint(0, high, (n,), generator=gen, device=device).to(dtype)
+
+
+def _same(got, want):
+    if got.dtype.is_floating_point:
+        tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3}.get(got.dtype, 1e-5)
+        return torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+    return torch.equal(got, want)
+
+
+def _check(name, got, want):
+    global _checked
+    _checked += 1
+    if not _same(got, want):
+        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+        _failures.append(f"{name}: max abs diff {diff}")
+
+
+def _pair(fn, tdist_group):
+    """fn(group) on the tdist group and on NCCL (the default group)."""
+    return fn(tdist_group), fn(None)
+
+
+def every_op(tg, rank, world, device, gen):
+    for dtype in DTYPES:
+        for n in SIZES:
+            for trial in range(REPEATS):
+                tag = f"{str(dtype)[6:]} n={n} #{trial}"
+                x = _rand(n, dtype, device, gen)
+
+                def gather(g):
+                    out = torch.full((n * world,), 7, dtype=dtype, device=device)
+                    dist.all_gather_into_tensor(out, x, group=g)
+                    return out
+                _check(f"all_gather {tag}", *_pair(gather, tg))
+
+                def bcast(g, root=world - 1):
+                    t = x.clone()
+                    dist.broadcast(t, root, group=g)
+                    return t
+                _check(f"broadcast {tag}", *_pair(bcast, tg))
+
+                def a2a(g):
+                    src = _rand(n * world, dtype, device, torch.Generator(device).manual_seed(rank * 7 + trial))
+                    out = torch.full_like(src, 7)
+                    dist.all_to_all_single(out, src, group=g)
+                    return out
+                _check(f"all_to_all_single {tag}", *_pair(a2a, tg))
+
+                for name, rop in REDUCE_OPS.items():
+                    if name == "avg" and not dtype.is_floating_point or dtype == torch.uint8:
+                        continue
+                    if name != "sum" and dtype not in ALL_REDUCE_OPS_FOR:
+                        continue
+                    y = x if name != "product" else 1 + x / 64 if dtype.is_floating_point else x % 3
+
+                    def reduce_all(g):
+                        t = y.clone()
+                        dist.all_reduce(t, op=rop, group=g)
+                        return t
+                    _check(f"all_reduce {name} {tag}", *_pair(reduce_all, tg))
+
+                    def reduce_scatter(g):
+                        src = torch.cat([y] * world) + rank if name != "product" else torch.cat([y] * world)
+                        out = torch.full_like(y, 7)
+                        dist.reduce_scatter_tensor(out, src, op=rop, group=g)
+                        return out
+                    _check(f"reduce_scatter {name} {tag}", *_pair(reduce_scatter, tg))
+
+
+def uneven_all_to_all(tg, rank, world, device, gen):
+    for trial in range(REPEATS):
+        g = torch.Generator().manual_seed(100 + trial)  # the same split table on every rank
+        splits = torch.randint(0, 300, (world, world), generator=g)  # splits[src][dst] rows
+        row = 7168 // 16
+        src = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+
+        def a2a(grp):
+            out = torch.full((int(splits[:, rank].sum()), row), 7, dtype=src.dtype, device=device)
+            dist.all_to_all_single(out, src, splits[:, rank].tolist(), splits[rank].tolist(), group=grp)
+            return out
+        _check(f"all_to_all_single uneven #{trial}", *_pair(a2a, tg))
+
+
+def subgroups(tg, rank, world, device, gen):
+    if world < 4:
+        return
+    halves = [dist.new_group([0, 1], backend="tdist"), dist.new_group([2, 3], backend="tdist")]
+    mine = halves[rank // 2]
+    for trial in range(REPEATS):
+        x = torch.randn(5000, device=device, generator=gen)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x)  # NCCL: the reference
+        got = x.clone()
+        dist.all_reduce(got, group=mine)
+        base = rank // 2 * 2
+        _check(f"subgroup all_reduce #{trial}", got, everyone[base] + everyone[base + 1])
+
+
+def dtensor(tg, rank, world, device, gen):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(tg, "cuda")
+    full = torch.randn(world * 64, 96, device=device, generator=torch.Generator(device).manual_seed(5))
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    _check("dtensor Shard(0) -> Replicate", sharded.redistribute(mesh, [Replicate()]).to_local(), full)
+    local = torch.randn(32, 32, device=device, generator=gen)
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    w = torch.randn(32, 32, device=device, generator=torch.Generator(device).manual_seed(6))
+
+    partial = DTensor.from_local(local @ w, mesh, [Partial()])
+    _check("dtensor Partial -> Replicate", partial.redistribute(mesh, [Replicate()]).to_local(),
+           sum(e @ w for e in everyone))
+
+
+def async_overlap(tg, rank, world, device, gen):
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(16 << 20, device=device, generator=gen).to(torch.bfloat16)
+    want = x.clone()
+    dist.all_reduce(want)
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def compute():
+        for _ in range(4):
+            a @ a
+
+    got = x.clone()
+    dist.all_reduce(got, group=tg)  # warm: the plan exists
+    t_compute = timed(compute)
+    t_comm = timed(lambda: dist.all_reduce(x.clone(), group=tg))
+
+    def both():
+        nonlocal got
+        got = x.clone()
+        work = dist.all_reduce(got, group=tg, async_op=True)
+        compute()
+        work.wait()
+        got.mul_(1)  # a kernel on the caller's stream after wait(): must see the result
+
+    t_both = timed(both)
+    _check("async all_reduce during matmuls", got, want)
+    if rank == 0:
+        print(f"async overlap: compute {t_compute:.2f} ms, all_reduce {t_comm:.2f} ms, "
+              f"both {t_both:.2f} ms (serial would be {t_compute + t_comm:.2f})", flush=True)
+
+
+def graph_replay(tg, rank, world, device, gen):
+    n = 65536
+    static_x = torch.zeros(n, device=device)
+    static_ag_in = torch.zeros(4096, device=device, dtype=torch.bfloat16)
+    static_ag = torch.zeros(4096 * world, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm up: kernels compiled, launch plans recorded
+            dist.all_reduce(static_x, group=tg)
+            dist.all_gather_into_tensor(static_ag, static_ag_in, group=tg)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(static_x, group=tg)
+        dist.all_gather_into_tensor(static_ag, static_ag_in, group=tg)
+    for i in range(100):
+        x = torch.randn(n, device=device, generator=gen)
+        y = torch.randn(4096, device=device, generator=gen).to(torch.bfloat16)
+        static_x.copy_(x)
+        static_ag_in.copy_(y)
+        graph.replay()
+        want_x, want_ag = x.clone(), torch.empty_like(static_ag)
+        dist.all_reduce(want_x)
+        dist.all_gather_into_tensor(want_ag, y)
+        _check(f"graph replay {i} all_reduce", static_x, want_x)
+        _check(f"graph replay {i} all_gather", static_ag, want_ag)
+
+
+def served_by_tdist(tg, rank, world, device, gen):
+    stats = torch_tdist.stats(tg)
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
+               "broadcast"):
+        global _checked
+        _checked += 1
+        if stats[op]["tdist"] == 0:
+            _failures.append(f"stats: no {op} served by tdist kernels: {stats[op]}")
+
+
+CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, served_by_tdist]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="comma-separated check names")
+    parser.add_argument("--quick", action="store_true", help="float32 and bfloat16 only")
+    args = parser.parse_args()
+    if args.quick:
+        global DTYPES
+        DTYPES = ALL_REDUCE_OPS_FOR
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    tg = dist.new_group(backend="tdist")
+    gen = torch.Generator(device).manual_seed(1234 + rank)
+    wanted = set(filter(None, args.only.split(",")))
+    for check in CHECKS:
+        if wanted and check.__name__ not in wanted:
+            continue
+        before, start = len(_failures), time.perf_counter()
+        check(tg, rank, world, device, gen)
+        torch.cuda.synchronize()
+        status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"
+        print(f"rank {rank}: {check.__name__:<20} {status}  {time.perf_counter() - start:6.1f} s", flush=True)
+    for line in _failures[:20]:
+        print(f"rank {rank}: {line}", flush=True)
+    print(f"rank {rank}: {_checked} checks, {len(_failures)} failed", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if _failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Collectives in one launch: every rank pushes straight into its peers' mailboxes.
+
+``oneshot_kernel`` serves all_gather, all_reduce, reduce_scatter, broadcast and all-to-all.
+Program ``q`` of every rank, in order:
+
+1. push: for every rank ``d`` (itself included, starting with itself), copy the share of the
+   input meant for ``d`` into ``d``'s mailbox slot ``[parity][me]``, blocks ``q, q + P, ...``
+   (``P`` programs); then write a call word (op | dtype | count) next to it and raise the
+   flag ``flags@d[me][q] = epoch`` (release, system scope).
+2. wait for ``flags[s][q] >= epoch`` from every peer ``s`` (acquire), and check that ``s``'s
+   call word describes the same call (a mismatch is recorded in the status slot, never read
+   past).
+3. combine its blocks of the local mailbox slots into the output: copy (all_gather,
+   all-to-all, broadcast) or reduce in rank order (all_reduce, reduce_scatter), so every rank
+   gets bit-identical sums.
+
+Program ``q`` waits only on program ``q`` of other ranks, never on another program of its own
+launch, so any number of programs is safe under the interpreter; on GPUs the grid is kept
+small enough for every program to be resident.
+
+Why two mailbox slots (``parity = epoch % 2``) and no "done" signal: a rank pushing for call
+``e + 2`` has finished call ``e + 1``, so it saw every peer's flag for ``e + 1``, so every peer
+had started ``e + 1``, which runs after its ``e`` on the same stream: slot ``e % 2`` is free.
+This needs every rank to wait on every peer, which is why even broadcast's non-roots raise
+flags, and why all of a group's launches on a rank must run in one stream order.
+
+The epoch lives in device memory (``counter[1]``): read at the start, stored by the last
+program to finish, so a CUDA graph replays correctly with nothing baked in.
+
+Memory (int64 unless said; one block per group, same offsets on every rank):
+``box[2][WORLD][cap]`` (data dtype), ``flags[WORLD][MAXP]``, ``words[2][WORLD][MAXP]``
+(MAXP: the most programs a launch may have), ``counter = arrive | epoch | status | spare``.
+a2a ``tables``: ``send offsets[WORLD] | send counts[WORLD] | recv offsets[WORLD] | recv counts[WORLD]``.
+"""
+
+import triton.language as tl
+
+from torch_tdist import language as tdl
+
+from .staged import STATUS_CALL_MISMATCH, _arrive_last, _combine
+
+COUNTER_SLOTS = 4
+COUNT_SHIFT = tl.constexpr(16)  # call word: op | dtype << 8 | count << 16
+
+
+def flag_slots(world: int, max_programs: int) -> int:
+    return world * max_programs
+
+
+def word_slots(world: int, max_programs: int) -> int:
+    return 2 * world * max_programs
+
+
+@tdl.jit
+def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constexpr, RECV: tl.constexpr):
+    """(offset, count) of rank ``me``'s share for rank ``d``: in the input when pushing
+    (RECV False), in the output when combining what ``d`` sent (RECV True)."""
+    if MODE == "all_to_all":
+        if RECV:
+            return tl.load(tables + 2 * WORLD + d), tl.load(tables + 3 * WORLD + d)
+        else:
+            return tl.load(tables + d), tl.load(tables + WORLD + d)
+    elif MODE == "reduce_scatter":
+        if RECV:
+            return d * 0, n
+        else:
+            return d * stride, n
+    elif MODE == "all_gather":
+        if RECV:
+            return d * stride, n
+        else:
+            return d * 0, n
+    elif MODE == "broadcast":
+        if RECV:
+            return d * 0, tl.where((d == root) & (me != root), n, 0)
+        else:
+            return d * 0, tl.where(me == root, n, 0)
+    else:  # all_reduce
+        return d * 0, n
+
+
+@tdl.jit
+def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, root, call_word, tables,
+                   MODE: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                   ALIGN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr,
+                   MAXP: tl.constexpr):
+    """``n``: elements per rank pair (all_gather, all_reduce, broadcast: the input;
+    reduce_scatter: the output); all-to-all reads its counts from ``tables``. ``stride``: the
+    distance between ranks' parts (all_gather: in the output, reduce_scatter: in the input),
+    which differs from ``n`` when a large call runs in rounds. ``cap``: elements per mailbox
+    slot. ``root``: broadcast's source. Offsets are multiples of ALIGN elements."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tdl.rank(ctx)
+    epoch = tl.load(counter + 1) + 1
+    parity = epoch % 2
+    my_slot = (parity * WORLD + me) * cap
+
+    for i in tl.static_range(WORLD):
+        d = (me + i) % WORLD
+        off, count = _share(me, d, n, stride, root, tables, MODE, WORLD, False)
+        off = tl.multiple_of(off, ALIGN)
+        remote = tdl.symm_at(ctx, box, d) + my_slot
+        for start in range(pid * BLOCK, count, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < count
+            tl.store(remote + offs, tl.load(src + off + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's pushes before the (one-thread) release below
+    for i in tl.static_range(WORLD):
+        d = (me + i) % WORLD
+        _, count = _share(me, d, n, stride, root, tables, MODE, WORLD, False)
+        word = call_word + (tl.cast(count, tl.int64) << COUNT_SHIFT)
+        tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid, word, d)
+    tl.debug_barrier()
+    for i in tl.static_range(WORLD):
+        tdl.notify(ctx, flags + me * MAXP + pid, (me + i) % WORLD, epoch)
+
+    differs = pid < 0  # (False)
+    for s in tl.static_range(WORLD):
+        tdl.wait(ctx, flags + s * MAXP + pid, epoch)
+        # the count s pushed to us, as our own call sees it
+        if MODE == "all_to_all":
+            _, expected = _share(me, s, n, stride, root, tables, MODE, WORLD, True)
+        else:
+            _, expected = _share(s, me, n, stride, root, tables, MODE, WORLD, False)
+        word = tl.load(words + (parity * WORLD + s) * MAXP + pid)
+        wrong = word != call_word + (tl.cast(expected, tl.int64) << COUNT_SHIFT)
+        if wrong:
+            tl.atomic_max(counter + 2, tl.cast((s + 1) * 4 + STATUS_CALL_MISMATCH, tl.int64),
+                          sem="relaxed", scope="gpu")
+        differs = differs | wrong
+
+    if (MODE == "all_reduce") or (MODE == "reduce_scatter"):
+        limit = tl.where(differs, 0, n)
+        for start in range(pid * BLOCK, limit, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            acc = tl.load(box + parity * WORLD * cap + offs, mask=mask).to(ACC)
+            for s in tl.static_range(1, WORLD):
+                x = tl.load(box + (parity * WORLD + s) * cap + offs, mask=mask).to(ACC)
+                acc = _combine(acc, x, OP)
+            if OP == "avg":
+                acc = acc / WORLD
+            tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
+    else:
+        for s in tl.static_range(WORLD):
+            off, count = _share(me, s, n, stride, root, tables, MODE, WORLD, True)
+            off = tl.multiple_of(off, ALIGN)
+            limit = tl.where(differs, 0, count)
+            slot = box + (parity * WORLD + s) * cap
+            for start in range(pid * BLOCK, limit, nprog * BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < count
+                tl.store(dst + off + offs, tl.load(slot + offs, mask=mask), mask=mask)
+
+    if _arrive_last(counter, 0):
+        tl.store(counter + 1, epoch)  # every program of this launch has read it
