@@ -44,11 +44,31 @@ DriverLaunch driverLaunch() {
 
 } // namespace
 
-StreamScope::StreamScope(c10::Stream comm)
-    : comm_(comm), caller_(guardFor(comm.device_type()).getStream(comm.device())) {
-  c10::Event ready(comm.device_type());
-  ready.record(caller_);
-  ready.block(comm_);
+std::unique_ptr<c10::Event> EventPool::take(c10::DeviceType type) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      auto event = std::move(free_.back());
+      free_.pop_back();
+      return event;
+    }
+  }
+  return std::make_unique<c10::Event>(type);
+}
+
+void EventPool::give(std::unique_ptr<c10::Event> event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(std::move(event));
+}
+
+StreamScope::StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events)
+    : comm_(comm),
+      caller_(guardFor(comm.device_type()).getStream(comm.device())),
+      events_(std::move(events)) {
+  auto ready = events_->take(comm.device_type());
+  ready->record(caller_);
+  ready->block(comm_); // (the wait is enqueued: the event may be recorded anew)
+  events_->give(std::move(ready));
   guardFor(comm.device_type()).exchangeStream(comm_);
 }
 
@@ -56,9 +76,9 @@ StreamScope::~StreamScope() {
   guardFor(comm_.device_type()).exchangeStream(caller_);
 }
 
-c10::Event StreamScope::recordEnd() const {
-  c10::Event end(comm_.device_type());
-  end.record(comm_);
+std::unique_ptr<c10::Event> StreamScope::recordEnd() const {
+  auto end = events_->take(comm_.device_type());
+  end->record(comm_);
   return end;
 }
 

@@ -13,6 +13,8 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -23,23 +25,40 @@
 
 namespace tdist {
 
+// Events to reuse: creating and destroying one costs about a microsecond
+// each, a good part of a small collective's host time.
+class EventPool {
+ public:
+  std::unique_ptr<c10::Event> take(c10::DeviceType type);
+  void give(std::unique_ptr<c10::Event> event);
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<c10::Event>> free_;
+};
+
 class StreamScope {
  public:
   // Orders `comm` after the caller's current stream and makes it current.
-  explicit StreamScope(c10::Stream comm);
+  StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events);
   ~StreamScope(); // makes the caller's stream current again
   StreamScope(const StreamScope&) = delete;
   StreamScope& operator=(const StreamScope&) = delete;
 
-  // An event recorded on the group's stream after the call's work.
-  c10::Event recordEnd() const;
+  // An event recorded on the group's stream after the call's work; give it
+  // back to events() when done with it.
+  std::unique_ptr<c10::Event> recordEnd() const;
   const c10::Stream& stream() const {
     return comm_;
+  }
+  const std::shared_ptr<EventPool>& events() const {
+    return events_;
   }
 
  private:
   c10::Stream comm_;
   c10::Stream caller_;
+  std::shared_ptr<EventPool> events_;
 };
 
 // A pool stream of the device for the group's work.

@@ -65,6 +65,17 @@ PYBIND11_MODULE(_C, m) {
           "reset_stats",
           &ProcessGroupTDist::resetStats,
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_gpu_size_limit",
+          &ProcessGroupTDist::setGpuSizeLimit,
+          py::arg("op"),
+          py::arg("max_bytes"),
+          "GPU calls of `op` larger than `max_bytes` (-1: any) go to the "
+          "fallback")
+      .def(
+          "set_gpu_uneven_all_to_all",
+          &ProcessGroupTDist::setGpuUnevenAllToAll,
+          py::arg("served"))
       .def_property_readonly("executor", &ProcessGroupTDist::executor)
       .def_property_readonly(
           "served_devices", &ProcessGroupTDist::servedDevices)

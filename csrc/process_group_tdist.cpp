@@ -424,26 +424,26 @@ TDistWork::TDistWork(
       inputs_(inputs),
       outputs_(std::move(outputs)) {}
 
-void TDistWork::startOnStream(c10::Stream comm, bool blockHost) {
-  scope_.emplace(comm);
+TDistWork::~TDistWork() {
+  if (end_ && events_) {
+    events_->give(std::move(end_));
+  }
+}
+
+void TDistWork::startOnStream(
+    c10::Stream comm,
+    std::shared_ptr<EventPool> events,
+    bool blockHost) {
+  comm_ = comm;
+  events_ = events;
+  scope_.emplace(comm, std::move(events));
   blockHost_ = blockHost;
 }
 
 void TDistWork::markDone() {
   if (scope_) {
-    end_.emplace(scope_->recordEnd());
+    end_ = scope_->recordEnd();
   }
-  std::vector<c10::Device> devices;
-  for (const auto& t : outputs_) {
-    if (!t.is_cpu() && std::find(devices.begin(), devices.end(), t.device()) ==
-            devices.end()) {
-      devices.push_back(t.device());
-    }
-  }
-  future_ = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), devices);
-  // (on a GPU the future's events are recorded on the group's stream)
-  future_->markCompleted(c10::IValue(outputs_));
   scope_.reset();
   if (!end_) {
     inputs_.clear();
@@ -479,8 +479,30 @@ std::vector<at::Tensor> TDistWork::result() {
   return outputs_;
 }
 
+// Made on first use (most calls never ask): completed with the outputs,
+// its events recorded on the group's stream, after the call's work.
 c10::intrusive_ptr<c10::ivalue::Future> TDistWork::getFuture() {
-  TORCH_CHECK(future_, "tdist: getFuture() on a work that has not finished");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (future_) {
+    return future_;
+  }
+  std::vector<c10::Device> devices;
+  for (const auto& t : outputs_) {
+    if (!t.is_cpu() && std::find(devices.begin(), devices.end(), t.device()) ==
+            devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  future_ = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), devices);
+  if (comm_) {
+    c10::impl::VirtualGuardImpl impl(comm_->device_type());
+    auto caller = impl.exchangeStream(*comm_);
+    future_->markCompleted(c10::IValue(outputs_));
+    impl.exchangeStream(caller);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
   return future_;
 }
 
@@ -526,6 +548,7 @@ ProcessGroupTDist::ProcessGroupTDist(
       store_(std::move(store)),
       timeout_(timeout),
       executor_(std::move(executor)) {
+  gpuMaxBytes_.fill(-1);
   for (const auto& name : devices) {
     devices_.push_back(c10::Device(name).type());
   }
@@ -689,6 +712,38 @@ ProcessGroupTDist::Route ProcessGroupTDist::routeReduction(
   return served ? Route::Tdist : Route::Fallback;
 }
 
+ProcessGroupTDist::Route ProcessGroupTDist::limitBySize(
+    Op op,
+    Route route,
+    const at::Tensor& t,
+    int64_t bytes,
+    bool sameSizeOnEveryRank) const {
+  if (route == Route::Fallback || t.is_cpu()) {
+    return route;
+  }
+  if (!sameSizeOnEveryRank && !gpuUnevenAllToAll_) {
+    return Route::Fallback;
+  }
+  int64_t limit = gpuMaxBytes_[static_cast<int>(op)];
+  return limit >= 0 && bytes > limit ? Route::Fallback : route;
+}
+
+void ProcessGroupTDist::setGpuSizeLimit(
+    const std::string& name,
+    int64_t maxBytes) {
+  for (int i = 0; i < kNumOps; ++i) {
+    if (name == kOpNames[i]) {
+      gpuMaxBytes_[i] = maxBytes;
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "tdist: no collective named ", name);
+}
+
+void ProcessGroupTDist::setGpuUnevenAllToAll(bool served) {
+  gpuUnevenAllToAll_ = served;
+}
+
 c10d::Backend& ProcessGroupTDist::fallbackFor(Op op, c10::DeviceType type)
     const {
   auto it = fallbacks_.find(type);
@@ -802,7 +857,7 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     }
   }
   if (device && device->type() != c10::kCPU) {
-    work->startOnStream(commStream(*device), op == Op::Barrier);
+    work->startOnStream(commStream(*device), events_, op == Op::Barrier);
   }
   return work;
 }
@@ -892,7 +947,8 @@ WorkPtr ProcessGroupTDist::_allgather_base(
   constexpr Op op = Op::AllGatherIntoTensor;
   checkDevice(op, input, "input");
   checkAllGatherPair(op, output, input, size_);
-  if (routeMovement(input) == Route::Fallback) {
+  if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
+      Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, input.device().type())
         ._allgather_base(output, input, opts);
@@ -920,7 +976,8 @@ WorkPtr ProcessGroupTDist::allgather_into_tensor_coalesced(
     checkDevice(op, inputs[i], "input");
     checkSameDevice(op, inputs[0], "input 0", inputs[i], "input");
     checkAllGatherPair(op, outputs[i], inputs[i], size_);
-    if (routeMovement(inputs[i]) == Route::Fallback) {
+    if (limitBySize(op, routeMovement(inputs[i]), inputs[i], inputs[i].nbytes()) ==
+        Route::Fallback) {
       route = Route::Fallback;
     }
   }
@@ -951,7 +1008,8 @@ WorkPtr ProcessGroupTDist::allgather(
   checkDevice(op, input, "input");
   checkGroupSize(op, outputs[0].size(), "tensor_list");
   checkListLike(op, outputs[0], "tensor_list", input, "input");
-  if (routeMovement(input) == Route::Fallback) {
+  if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
+      Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, input.device().type())
         .allgather(outputs, inputs, opts);
@@ -1025,7 +1083,11 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
   constexpr Op op = Op::ReduceScatterTensor;
   checkDevice(op, input, "input");
   checkReduceScatterPair(op, output, input, size_);
-  if (routeReduction(op, input, opts.reduceOp) == Route::Fallback) {
+  if (limitBySize(
+          op,
+          routeReduction(op, input, opts.reduceOp),
+          input,
+          input.nbytes()) == Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, input.device().type())
         ._reduce_scatter_base(output, input, opts);
@@ -1114,7 +1176,8 @@ WorkPtr ProcessGroupTDist::allreduce(
   checkSingle(op, tensors, "input");
   const auto& t = tensors[0];
   checkDevice(op, t, "tensor");
-  if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
+  if (limitBySize(op, routeReduction(op, t, opts.reduceOp), t, t.nbytes()) ==
+      Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, t.device().type()).allreduce(tensors, opts);
   }
@@ -1185,7 +1248,13 @@ WorkPtr ProcessGroupTDist::alltoall_base(
       op, inputSplitSizes, input, "input", "input_split_sizes", size_);
   auto outSplits = resolveSplits(
       op, outputSplitSizes, output, "output", "output_split_sizes", size_);
-  if (routeMovement(input) == Route::Fallback) {
+  if (limitBySize(
+          op,
+          routeMovement(input),
+          input,
+          input.nbytes(),
+          inputSplitSizes.empty() && outputSplitSizes.empty()) ==
+      Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, input.device().type())
         .alltoall_base(
@@ -1224,7 +1293,8 @@ WorkPtr ProcessGroupTDist::alltoall(
     checkLike(op, ref, "input_tensor_list[0]", inputs[i], Name("input_tensor_list", index));
     checkLike(op, ref, "input_tensor_list[0]", outputs[i], Name("output_tensor_list", index));
   }
-  if (routeMovement(ref) == Route::Fallback) {
+  if (limitBySize(op, routeMovement(ref), ref, ref.nbytes(), false) ==
+      Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, ref.device().type()).alltoall(outputs, inputs, opts);
   }
@@ -1245,7 +1315,7 @@ WorkPtr ProcessGroupTDist::broadcast(
   checkRoot(op, opts.rootRank, "src");
   TORCH_CHECK_VALUE(
       opts.rootTensor == 0, prefix(op), "root tensor must be 0");
-  if (routeMovement(t) == Route::Fallback) {
+  if (limitBySize(op, routeMovement(t), t, t.nbytes()) == Route::Fallback) {
     count(op, Route::Fallback);
     return fallbackFor(op, t.device().type()).broadcast(tensors, opts);
   }

@@ -66,7 +66,12 @@ class TDistWork : public c10d::Work {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
 
-  void startOnStream(c10::Stream comm, bool blockHost);
+  ~TDistWork() override;
+
+  void startOnStream(
+      c10::Stream comm,
+      std::shared_ptr<EventPool> events,
+      bool blockHost);
   void markDone();
 
   // GPU: the caller's current stream waits for the call (the host too for a
@@ -87,7 +92,9 @@ class TDistWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_ = 0;
   std::optional<StreamScope> scope_; // while the call is being issued
-  std::optional<c10::Event> end_;
+  std::optional<c10::Stream> comm_;
+  std::shared_ptr<EventPool> events_;
+  std::unique_ptr<c10::Event> end_;
   bool blockHost_ = false;
   std::mutex mutex_;
 };
@@ -225,6 +232,12 @@ class ProcessGroupTDist : public c10d::Backend {
 
   // {op name: {"tdist": n, "fallback": m}}; needs the GIL.
   py::dict stats() const;
+
+  // GPU calls of `opName` whose message is larger than `maxBytes` (-1: no
+  // limit) go to the fallback (NCCL), as do all-to-alls whose ranks may send
+  // different sizes unless `uneven` (the choice must agree across ranks).
+  void setGpuSizeLimit(const std::string& opName, int64_t maxBytes);
+  void setGpuUnevenAllToAll(bool served);
   void resetStats();
 
   py::object executor() const {
@@ -260,6 +273,12 @@ class ProcessGroupTDist : public c10d::Backend {
   Route routeMovement(const at::Tensor& t) const;
   Route routeReduction(Op op, const at::Tensor& t, const c10d::ReduceOp& rop)
       const;
+  Route limitBySize(
+      Op op,
+      Route route,
+      const at::Tensor& t,
+      int64_t bytes,
+      bool sameSizeOnEveryRank = true) const;
   c10d::Backend& fallbackFor(Op op, c10::DeviceType type) const;
   c10d::Backend& fallbackForBarrier(const c10d::BarrierOptions& opts) const;
 
@@ -309,7 +328,10 @@ class ProcessGroupTDist : public c10d::Backend {
   std::unordered_set<c10::DeviceType> served_;
   std::vector<c10::DeviceType> devices_;
 
+  std::array<int64_t, kNumOps> gpuMaxBytes_;
+  bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;
 

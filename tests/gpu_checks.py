@@ -158,7 +158,7 @@ def dtensor(tg, rank, world, device, gen):
 
 def async_overlap(tg, rank, world, device, gen):
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
-    x = torch.randn(16 << 20, device=device, generator=gen).to(torch.bfloat16)
+    x = torch.randn(256 << 10, device=device, generator=gen).to(torch.bfloat16)  # tdist-served
     want = x.clone()
     dist.all_reduce(want)
 
@@ -176,6 +176,7 @@ def async_overlap(tg, rank, world, device, gen):
 
     got = x.clone()
     dist.all_reduce(got, group=tg)  # warm: the plan exists
+    compute()  # warm: cuBLAS
     t_compute = timed(compute)
     t_comm = timed(lambda: dist.all_reduce(x.clone(), group=tg))
 
@@ -187,8 +188,11 @@ def async_overlap(tg, rank, world, device, gen):
         work.wait()
         got.mul_(1)  # a kernel on the caller's stream after wait(): must see the result
 
+    served = torch_tdist.stats(tg)["all_reduce"]["tdist"]
     t_both = timed(both)
     _check("async all_reduce during matmuls", got, want)
+    _check("async all_reduce served by tdist", torch.tensor(torch_tdist.stats(tg)["all_reduce"]["tdist"]),
+           torch.tensor(served + 1))
     if rank == 0:
         print(f"async overlap: compute {t_compute:.2f} ms, all_reduce {t_comm:.2f} ms, "
               f"both {t_both:.2f} ms (serial would be {t_compute + t_comm:.2f})", flush=True)

@@ -88,9 +88,11 @@ def _create_backend(dist_opts, backend_options):
     executor = _make_executor(store, rank, size, timeout, backend_options)
     served = [d for d in getattr(executor, "served_devices", []) if d in devices]
     fallbacks = _make_fallbacks(dist_opts, devices)
-    return _C.ProcessGroupTDist(
-        store, rank, size, timeout, executor, fallbacks, served, devices
-    )
+    pg = _C.ProcessGroupTDist(store, rank, size, timeout, executor, fallbacks, served, devices)
+    for op, max_bytes in getattr(executor, "gpu_size_limits", {}).items():
+        pg.set_gpu_size_limit(op, -1 if max_bytes is None else max_bytes)
+    pg.set_gpu_uneven_all_to_all(getattr(executor, "gpu_uneven_all_to_all", True))
+    return pg
 
 
 def _unwrap(backend):

@@ -26,8 +26,19 @@ MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 # that every program of a launch is resident while it waits for its peers).
 ONESHOT_BLOCK_BYTES = 16384
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
-ONESHOT_A2A_PROGRAMS = 1 if language.INTERPRET else 64  # fixed: ranks' counts differ
 ONESHOT_WARPS = 8
+
+# GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
+# NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL
+# (benchmarks/results/collectives_NVIDIA_H200-x4.json). All-to-alls whose split sizes are
+# given (ranks may send different sizes, so no size test agrees across ranks) go to NCCL
+# too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's kernels at every size.
+GPU_SIZE_LIMITS = {
+    "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
+    "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
+    "broadcast": 1 << 20, "all_to_all_single": 64 << 10,
+}
+GPU_UNEVEN_ALL_TO_ALL = False
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
@@ -92,6 +103,9 @@ class Executor:
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._planned = []  # tensors that launch plans point to
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
+        limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0"
+        self.gpu_size_limits = GPU_SIZE_LIMITS if limited else {}
+        self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -220,8 +234,8 @@ class Executor:
         """One launch of ``oneshot_kernel`` (arguments as there)."""
         dtype = dst.dtype
         block = BLOCK if language.INTERPRET else ONESHOT_BLOCK_BYTES // dtype.itemsize
-        if mode == "all_to_all":
-            programs = ONESHOT_A2A_PROGRAMS
+        if mode == "all_to_all":  # ranks' counts may differ, the grid must not
+            programs = ONESHOT_PROGRAMS
         else:
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
         vector = max(16 // dtype.itemsize, 1)
