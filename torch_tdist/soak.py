@@ -14,6 +14,7 @@ import math
 import os
 import random
 import sys
+import time
 
 from .launch import device_kind, run_local  # sets the NVLink-multicast safety variables first
 
@@ -35,13 +36,13 @@ def _tdist_mappings() -> int:
 
 def _inputs(seed, ranks, numel, dtype, device):
     out = []
-    for r in ranks:
-        g = torch.Generator().manual_seed(seed * 7919 + r)
+    for r in ranks:  # (generated where they are used: the same numbers on every rank)
+        g = torch.Generator(device).manual_seed(seed * 7919 + r)
         if dtype.is_floating_point:
-            out.append(torch.randn(numel, generator=g).to(dtype).to(device))
+            out.append(torch.randn(numel, generator=g, device=device).to(dtype))
         else:
             high = 100 if dtype == torch.uint8 else 1000
-            out.append(torch.randint(0, high, (numel,), generator=g).to(dtype).to(device))
+            out.append(torch.randint(0, high, (numel,), generator=g, device=device).to(dtype))
     return out
 
 
@@ -148,7 +149,13 @@ def _soak_rank(rank, world, device, steps, seed, max_bytes):
     dist.barrier()  # every group's heap is set up (and its segment names gone) on every rank
     start = {"maps": _tdist_mappings(), "shm": _tdist_segments(), "heap": [h._top for h in heaps]}
     rng = random.Random(seed)
-    mismatches = [p for p in (_step(rng, i, seed, groups, rank, device, max_bytes) for i in range(steps)) if p]
+    mismatches, began = [], time.monotonic()
+    for i in range(steps):
+        problem = _step(rng, i, seed, groups, rank, device, max_bytes)
+        if problem:
+            mismatches.append(problem)
+        if rank == 0 and (i + 1) % 1000 == 0:
+            print(f"  {i + 1} steps, {len(mismatches)} mismatches, {time.monotonic() - began:.0f} s", flush=True)
     dist.barrier()
     return {"mismatches": mismatches,
             "maps_growth": _tdist_mappings() - start["maps"] if device.type == "cpu" else 0,
