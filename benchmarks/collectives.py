@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 4 benchmarks/collectives.py [--sizes 8K,1M,64M] [--out DIR]
 
 The default group is NCCL; a tdist group over the same ranks runs the same calls on the same
-tensors. Each (op, size) is timed with CUDA events: median of ``--iters`` runs after
-``--warmup``. Rank 0 writes ``collectives_<machine>.json`` (and prints a table of ratios).
+tensors. Each (op, size) is timed with CUDA events around ``--iters`` calls issued back to back
+(median of 5 such loops, after ``--warmup``), and also one call at a time after a barrier.
+Rank 0 writes ``collectives_<machine>.json`` (and prints a table of ratios).
+TDIST_GPU_SIZE_LIMITS=0 makes tdist's kernels serve every size (to measure them).
 """
 
 import argparse
@@ -16,7 +18,7 @@ import statistics
 import time
 
 for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", "TDIST_GPU_KERNELS": "1"}.items():
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402
@@ -172,16 +174,15 @@ def main():
             factor = _bus_factor(op, world) * msg_bytes / 1e3
             rows.append({"op": op, "bytes_per_rank": inp.numel() * inp.element_size(),
                          "world_size": world, "transport": "cuda", "served_by": served,
-                         "tdist_us": round(tdist_us, 2), "nccl_us": round(nccl_us, 2),
-                         "tdist_loop_us": round(tdist_loop_us, 2), "nccl_loop_us": round(nccl_loop_us, 2),
-                         "tdist_busbw_gbs": round(factor / tdist_us, 1),
-                         "nccl_busbw_gbs": round(factor / nccl_us, 1)})
+                         "tdist_us": round(tdist_loop_us, 2), "nccl_us": round(nccl_loop_us, 2),
+                         "tdist_single_us": round(tdist_us, 2), "nccl_single_us": round(nccl_us, 2),
+                         "tdist_busbw_gbs": round(factor / tdist_loop_us, 1),
+                         "nccl_busbw_gbs": round(factor / nccl_loop_us, 1)})
             if rank == 0:
                 r = rows[-1]
                 print(f"{op:<18}{r['bytes_per_rank']:>10} {served:<8} tdist {r['tdist_us']:>8.1f} us  "
                       f"nccl {r['nccl_us']:>8.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x  "
-                      f"loop: {r['tdist_loop_us']:>8.1f} / {r['nccl_loop_us']:>8.1f} us "
-                      f"{r['nccl_loop_us'] / r['tdist_loop_us']:5.2f}x", flush=True)
+                      f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us", flush=True)
     if rank == 0:
         machine = os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_"))
         import triton
@@ -190,10 +191,11 @@ def main():
                   "versions": {"torch": torch.__version__, "triton": triton.__version__,
                                "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                                "python": platform.python_version(), "tdist": torch_tdist.__version__},
-                  "method": (f"bf16, slowest rank. tdist_us/nccl_us: one call after a barrier, CUDA "
-                             f"events, median of {args.iters} after {args.warmup} warm-ups (host "
-                             f"launch time included). *_loop_us: {args.iters} calls back to back "
-                             f"per timed loop, median of 5 loops (nccl-tests' way)"),
+                  "method": (f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): "
+                             f"{args.iters} calls back to back per timed loop (CUDA events), median "
+                             f"of 5 loops, after {args.warmup} warm-ups (nccl-tests' way). "
+                             f"*_single_us: one call after a barrier, median of {args.iters}: "
+                             f"host launch time and rank skew included, noisy"),
                   "size_limits": os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0",
                   "host_overhead_us": overhead, "rows": rows}
         os.makedirs(args.out, exist_ok=True)

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
-from torch_tdist.triton_kernels import staged  # noqa: E402
+from torch_tdist.triton_kernels import oneshot, staged  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -24,7 +24,30 @@ ACC = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.fl
        "i32": tl.int32, "i64": tl.int64}
 
 
+ONESHOT_SIGNATURE = {"ctx": "*i64", "src": "*{dt}", "dst": "*{dt}", "box": "*{dt}", "cap": "i64",
+                     "flags": "*i64", "words": "*i64", "counter": "*i64", "n": "i64", "stride": "i64",
+                     "root": "i32", "call_word": "i64", "tables": "*i64", "MODE": "constexpr",
+                     "WORLD": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr", "OP": "constexpr",
+                     "ACC": "constexpr", "MAXP": "constexpr"}
+
+
+def _oneshot_specialisations():
+    """The one-launch kernel in each mode, for the dtypes the GPU checks use most."""
+    for world in (2, 4):
+        for mode, dt, op in (("all_gather", "bf16", "sum"), ("broadcast", "fp32", "sum"),
+                             ("all_to_all", "bf16", "sum"), ("all_to_all", "u8", "sum"),
+                             ("all_reduce", "bf16", "sum"), ("all_reduce", "fp32", "max"),
+                             ("reduce_scatter", "bf16", "avg"), ("reduce_scatter", "i64", "product")):
+            for align in (1, 16 // {"bf16": 2, "fp32": 4, "u8": 1, "i64": 8}[dt]):
+                signature = {k: v.format(dt=dt) for k, v in ONESHOT_SIGNATURE.items()}
+                acc = ACC.get(dt, tl.float32) if mode in ("all_reduce", "reduce_scatter") else tl.float32
+                yield oneshot.oneshot_kernel, signature, {
+                    "MODE": mode, "WORLD": world, "BLOCK": 8192, "ALIGN": align, "OP": op, "ACC": acc,
+                    "MAXP": 132}
+
+
 def specialisations():
+    yield from _oneshot_specialisations()
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):
@@ -84,7 +107,8 @@ def check_wide_accesses(target):
     """The data-moving loops use 16-byte loads and stores (bf16, aligned operands)."""
     checked = 0
     for kernel, signature, constexprs in specialisations():
-        wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in signature.get("out", signature.get("src", ""))
+        data = signature.get("out", signature.get("src", ""))
+        wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in data
         if kernel is _every_primitive or not wanted:
             continue
         ptx = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=_aligned(signature)),

@@ -15,7 +15,7 @@ import sys
 import time
 
 for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", "TDIST_GPU_KERNELS": "1"}.items():
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_key, _value)
 
 import torch  # noqa: E402

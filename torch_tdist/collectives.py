@@ -90,9 +90,8 @@ class Executor:
     """Runs one process group's collectives on its symmetric heap (created on first use)."""
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta, options=None):
-        # GPU kernels are correct but not yet faster than NCCL, so CUDA tensors go to NCCL
-        # unless TDIST_GPU_KERNELS=1 asks for tdist's kernels (the demo and benchmarks do).
-        gpu_kernels = os.environ.get("TDIST_GPU_KERNELS") == "1"
+        # TDIST_GPU_KERNELS=0 sends every CUDA tensor to NCCL (counted as fallback).
+        gpu_kernels = os.environ.get("TDIST_GPU_KERNELS", "1") != "0"
         self.served_devices = ["cpu"] if language.INTERPRET else ["cuda"] if gpu_kernels else []
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout

@@ -12,8 +12,7 @@ import tempfile
 import time
 from datetime import timedelta
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-            "TDIST_GPU_KERNELS": "1"}  # local runs exercise tdist's own kernels on GPUs too
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _key, _value in SAFE_ENV.items():
     os.environ.setdefault(_key, _value)
 

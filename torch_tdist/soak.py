@@ -52,9 +52,12 @@ def _reduce(xs, name):
     return result.to(xs[0].dtype)
 
 
-def _same(got, want) -> bool:
+def _same(got, want, ranks: int) -> bool:
     if got.dtype.is_floating_point and got.dtype != torch.float32:
-        return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        # NCCL (which serves large GPU calls) sums half types in the type itself, rounding
+        # after each of its steps: allow a rounding per rank
+        tol = 2e-2 * max(1, ranks - 1)
+        return torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
     if got.dtype.is_floating_point:
         return torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     return torch.equal(got, want)
@@ -123,9 +126,11 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
         got = torch.cat(got)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    if _same(got, want):
+    if _same(got, want, len(members)):
         return None
-    return f"step {step}: {op} {dtype} {numel} elements on ranks {members} (async={use_async}) mismatched"
+    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    return (f"step {step}: {op} {dtype} {numel} elements on ranks {members} (async={use_async}) "
+            f"mismatched, max abs diff {diff:.4g}")
 
 
 def _tdist_segments() -> int:
