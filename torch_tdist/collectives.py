@@ -96,7 +96,7 @@ class Executor:
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self._heap = None
-        self._stage_views = {}
+        self._views = {}
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
@@ -130,7 +130,6 @@ class Executor:
         self._stage_bytes = nbytes // 4
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
-        self._box_views = {}
         self._heap = heap
 
     def _default_device(self) -> torch.device:
@@ -150,18 +149,17 @@ class Executor:
             raise ValueError(
                 f"tdist {op}: {numel * dtype.itemsize} bytes to stage but the symmetric heap "
                 f"holds {self._stage_bytes}; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
-        view = self._stage_views.get(dtype)
-        if view is None:
-            view = self._heap.view(self._stage_offset, (self._stage_bytes // dtype.itemsize,), dtype)
-            self._stage_views[dtype] = view
-        return view
+        return self._view(self._stage_offset, self._stage_bytes, dtype)
 
     def _box(self, dtype: torch.dtype) -> torch.Tensor:
-        view = self._box_views.get(dtype)
+        return self._view(self._box_offset, 2 * self.world_size * self._slot_bytes, dtype)
+
+    def _view(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat ``dtype`` view of heap bytes; cached, since every call asks for one."""
+        view = self._views.get((offset, dtype))
         if view is None:
-            count = 2 * self.world_size * self._slot_bytes // dtype.itemsize
-            view = self._heap.view(self._box_offset, (count,), dtype)
-            self._box_views[dtype] = view
+            view = self._heap.view(offset, (nbytes // dtype.itemsize,), dtype)
+            self._views[(offset, dtype)] = view
         return view
 
     def _table(self, values, device) -> torch.Tensor:
@@ -202,20 +200,19 @@ class Executor:
                              f"{dtype}; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
         return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
 
-    def _pull_copy(self, op: str, out: torch.Tensor, segments, count: int, from_header=False):
+    def _pull_copy(self, op: str, out: torch.Tensor, segments, count: int):
         """``count``: how many elements each peer read from must have published."""
         segments = list(segments) or [(self.rank, 0, 0, 0)]  # still signals done
         segs = self._table(segments, out.device)
         stage = self._stage(out.dtype, 0, op)
         longest = max(s[3] for s in segments)
         grid = (_programs(longest, per=len(segments)), len(segments))
-        vector = max(16 // out.element_size(), 1)  # elements in a 16-byte access
-        aligned = not from_header and all(v % vector == 0 for s in segments for v in s[1:])
+        aligned = _aligned(out.dtype, [v for s in segments for v in s[1:]])
         self._launch(op, staged.pull_copy_kernel, grid,
                      self._heap.ctx, stage, self._header, out, segs, self._signals,
                      _CALL_CODE[op], _DTYPE_CODE[out.dtype], count,
-                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=from_header,
-                     ALIGN=vector if aligned else 1)
+                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=False,
+                     ALIGN=_vector(out.dtype) if aligned else 1)
         self._check_status(op, out.dtype, count)
 
     def _pull_reduce(self, op: str, out: torch.Tensor, src_offset: int, n: int, reduce_op: str,
@@ -229,15 +226,15 @@ class Executor:
 
     def _oneshot(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                  stride: int = 0, reduce_op: str = "sum", root: int = 0, tables=None,
-                 aligned: bool = True):
-        """One launch of ``oneshot_kernel`` (arguments as there)."""
+                 offsets=()):
+        """One launch of ``oneshot_kernel`` (arguments as there); ``offsets``: the element
+        offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
         block = BLOCK if language.INTERPRET else ONESHOT_BLOCK_BYTES // dtype.itemsize
         if mode == "all_to_all":  # ranks' counts may differ, the grid must not
             programs = ONESHOT_PROGRAMS
         else:
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
-        vector = max(16 // dtype.itemsize, 1)
         copy = mode in ("all_gather", "broadcast", "all_to_all")
         meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
         self._launch(op, oneshot.oneshot_kernel, (programs,),
@@ -246,7 +243,8 @@ class Executor:
                      _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
                      self._empty_header if tables is None else tables,
                      MODE=mode, WORLD=self.world_size, BLOCK=block,
-                     ALIGN=vector if aligned else 1, OP="sum" if copy else reduce_op,
+                     ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
+                     OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
@@ -344,10 +342,9 @@ class Executor:
         src = _flat(input)
         out = _Output(targets)
         n = src.numel()
-        aligned = n % max(16 // src.element_size(), 1) == 0
         for start, length in self._slot_rounds(n, src.dtype):
             self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
-                          aligned=aligned)
+                          offsets=(n,))
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -361,10 +358,9 @@ class Executor:
         self._begin(name, output)
         out = _Output([output])
         n = output.numel()
-        aligned = n % max(16 // src.element_size(), 1) == 0
         for start, length in self._slot_rounds(n, src.dtype):
             self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length, stride=n,
-                          reduce_op=reduce_op, aligned=aligned)
+                          reduce_op=reduce_op, offsets=(n,))
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -416,9 +412,8 @@ class Executor:
                 f"of the heap")
         out = _Output(targets)
         tables = _offsets(send_counts) + send_counts + _offsets(recv_counts) + recv_counts
-        vector = max(16 // src.element_size(), 1)
         self._oneshot(op, "all_to_all", src, out.flat, 0, tables=self._table(tables, src.device),
-                      aligned=all(v % vector == 0 for v in tables))
+                      offsets=tables)
         out.finish()
 
     def broadcast(self, tensor, src):
@@ -466,8 +461,7 @@ class Executor:
 
     def close(self):
         if self._heap is not None:
-            self._stage_views.clear()
-            self._box_views.clear()
+            self._views.clear()
             self._planned.clear()
             self._tables.clear()
             self._heap.close()
@@ -477,6 +471,15 @@ class Executor:
 def _programs(numel: int, per: int = 1) -> int:
     """Programs for a launch that moves ``numel`` elements (``per``: launches share the budget)."""
     return max(1, min(-(-numel // BLOCK), MAX_PROGRAMS // per))
+
+
+def _vector(dtype: torch.dtype) -> int:
+    """Elements in a 16-byte access."""
+    return max(16 // dtype.itemsize, 1)
+
+
+def _aligned(dtype: torch.dtype, offsets) -> bool:
+    return all(v % _vector(dtype) == 0 for v in offsets)
 
 
 def _canonical(device: torch.device) -> torch.device:
