@@ -62,7 +62,7 @@ setup(
     version="0.1.0",
     description="A PyTorch distributed backend whose collectives are Triton kernels over a symmetric heap",
     python_requires=">=3.10",
-    packages=["torch_tdist", "torch_tdist.triton_kernels"],
+    packages=["torch_tdist", "torch_tdist.examples", "torch_tdist.triton_kernels"],
     package_dir={"torch_tdist.triton_kernels": "triton_kernels"},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},

@@ -153,6 +153,7 @@ def main():
                 "nccl": round(_host_overhead_us(None, device), 1)}
     if rank == 0:
         print(f"host overhead per 4 KB all_reduce: tdist {overhead['tdist']} us, nccl {overhead['nccl']} us")
+    transport = torch_tdist.get_heap(tdist_group).transport
     rows = []
     for op in args.ops.split(","):
         sizes = [parse_size(s) for s in args.sizes.split(",")] if op != "all_to_all_moe" else [0]
@@ -173,7 +174,7 @@ def main():
                                     for r in range(world))) * MOE_HIDDEN * 2 * world / (world - 1)
             factor = _bus_factor(op, world) * msg_bytes / 1e3
             rows.append({"op": op, "bytes_per_rank": inp.numel() * inp.element_size(),
-                         "world_size": world, "transport": "cuda", "served_by": served,
+                         "world_size": world, "transport": transport, "served_by": served,
                          "tdist_us": round(tdist_loop_us, 2), "nccl_us": round(nccl_loop_us, 2),
                          "tdist_single_us": round(tdist_us, 2), "nccl_single_us": round(nccl_us, 2),
                          "tdist_busbw_gbs": round(factor / tdist_loop_us, 1),

@@ -2,6 +2,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
+#include "nvshmem_bootstrap.hpp"
 #include "process_group_tdist.hpp"
 
 namespace py = pybind11;
@@ -85,4 +86,38 @@ PYBIND11_MODULE(_C, m) {
           &ProcessGroupTDist::fallbackBackend,
           py::arg("device"),
           "The inner backend for a device type ('cpu', 'cuda'), or None.");
+
+  m.def(
+      "nvshmem_bootstrap",
+      [](const c10::intrusive_ptr<c10d::Store>& store,
+         const std::string& key,
+         int rank,
+         int worldSize,
+         const std::string& libraryPath) {
+        tdist::nvshmem::Status status;
+        {
+          py::gil_scoped_release noGil; // waits on peers through the store
+          status = tdist::nvshmem::bootstrap(
+              store, key, rank, worldSize, libraryPath);
+        }
+        return py::make_tuple(
+            status.initialisedHere, status.myPe, status.nPes);
+      },
+      py::arg("store"),
+      py::arg("key"),
+      py::arg("rank"),
+      py::arg("world_size"),
+      py::arg("library_path"),
+      "(initialised here, my PE, number of PEs); NVSHMEM over the group");
+  m.def("nvshmem_malloc", &tdist::nvshmem::malloc, py::arg("nbytes"));
+  m.def("nvshmem_free", &tdist::nvshmem::free, py::arg("address"));
+  m.def(
+      "nvshmem_ptr",
+      &tdist::nvshmem::peerPointer,
+      py::arg("address"),
+      py::arg("pe"));
+  m.def(
+      "nvshmem_init_module",
+      &tdist::nvshmem::initModule,
+      py::arg("cu_module"));
 }

@@ -119,6 +119,42 @@ def check_wide_accesses(target):
     assert checked >= 3 * 2, f"only {checked} kernels checked for wide accesses"
 
 
+def nvshmem_kernels():
+    """The kernels that make NVSHMEM calls (they link libnvshmem_device.bc)."""
+    from tests.jobs_shmem import _ring_puts
+    from torch_tdist.examples.moe_all_to_all import moe_dispatch_kernel
+    from torch_tdist.triton_kernels.hierarchical import hierarchical_all_gather_kernel
+
+    yield _ring_puts, {"ctx": "*i64", "mine": "*fp32", "inbox": "*fp32", "inbox_nbi": "*fp32",
+                       "sigs": "*i64", "n": "i64", "epoch": "i64"}, {}
+    yield hierarchical_all_gather_kernel, {"ctx": "*i64", "src": "*bf16", "gathered": "*bf16",
+                                           "signals": "*i64", "n": "i64", "epoch": "i64",
+                                           "RANKS_PER_NODE": "constexpr", "BLOCK": "constexpr"}, {
+        "RANKS_PER_NODE": 2, "BLOCK": 4096}
+    yield moe_dispatch_kernel, {"ctx": "*i64", "send": "*bf16", "send_offsets": "*i64", "send_counts": "*i64",
+                                "recv": "*bf16", "recv_counts": "*i64", "signals": "*i64", "call": "i64",
+                                "HIDDEN": "constexpr", "MAX_ROWS": "constexpr", "EXPERTS_PER_RANK": "constexpr",
+                                "PIECES": "constexpr"}, {
+        "HIDDEN": 7168, "MAX_ROWS": 1024, "EXPERTS_PER_RANK": 8, "PIECES": 8}
+
+
+def compile_nvshmem_kernels(target, arch: int) -> str:
+    from torch_tdist import shmem_device
+
+    try:
+        library = shmem_device.device_library(arch)
+    except RuntimeError:
+        return "NVSHMEM kernels not compiled (no nvidia-nvshmem wheel here; the GPU checks run them)"
+    options = {"extern_libs": (("libnvshmem_device", library),), "num_warps": 8}
+    count = 0
+    for kernel, signature, constexprs in nvshmem_kernels():
+        compiled = triton.compile(ASTSource(kernel.fn, signature, constexprs=constexprs), target=target,
+                                  options=options)
+        assert "nvshmem" in compiled.asm["ptx"], f"{kernel.fn.__name__}: no NVSHMEM call in the PTX"
+        count += 1
+    return f"{count} NVSHMEM kernels compiled against {os.path.basename(library)}"
+
+
 def main(arch: int = 90) -> int:
     assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
     target = GPUTarget("cuda", arch, 32)
@@ -128,7 +164,8 @@ def main(arch: int = 90) -> int:
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
         count += 1
     check_wide_accesses(target)
-    print(f"compiled {count} kernel specialisations for sm_{arch}; data loops use 16-byte accesses")
+    print(f"compiled {count} kernel specialisations for sm_{arch}; data loops use 16-byte accesses; "
+          f"{compile_nvshmem_kernels(target, arch)}")
     return 0
 
 

@@ -128,6 +128,16 @@ def subgroups(tg, rank, world, device, gen):
         return
     halves = [dist.new_group([0, 1], backend="tdist"), dist.new_group([2, 3], backend="tdist")]
     mine = halves[rank // 2]
+    if NVSHMEM:  # NVSHMEM's PEs are the whole job: a subgroup gets a clear error
+        global _checked
+        _checked += 1
+        try:
+            dist.all_reduce(torch.ones(8, device=device), group=mine)
+            _failures.append("subgroup on the nvshmem transport: no error")
+        except Exception as err:
+            if "TDIST_TRANSPORT=cuda for subgroups" not in str(err):
+                _failures.append(f"subgroup on the nvshmem transport: unclear error {err}")
+        return
     for trial in range(REPEATS):
         x = torch.randn(5000, device=device, generator=gen)
         everyone = [torch.empty_like(x) for _ in range(world)]
@@ -237,13 +247,102 @@ def served_by_tdist(tg, rank, world, device, gen):
             _failures.append(f"stats: no {op} served by tdist kernels: {stats[op]}")
 
 
-CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, served_by_tdist]
+def shmem_calls(tg, rank, world, device, gen):
+    """Every torch_tdist.shmem_device call in one kernel (tests/jobs_shmem.py), on GPUs."""
+    if not NVSHMEM:
+        return
+    from tests.jobs_shmem import _ring_puts
+
+    heap = torch_tdist.get_heap(tg)
+    n = 4099
+    mine, inbox, inbox_nbi = heap.empty(n, torch.float32), heap.empty(2 * n, torch.float32), heap.empty(2 * n, torch.float32)
+    sigs = heap.empty(5, torch.int64)
+    sigs.zero_()
+    left = (rank - 1) % world
+    for epoch in range(1, REPEATS + 1):
+        x = torch.randn(n, device=device, generator=gen)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x)
+        mine.copy_(x)
+        torch.cuda.synchronize()
+        dist.barrier(tg)
+        _ring_puts[(1,)](heap.ctx, mine, inbox, inbox_nbi, sigs, n, epoch, num_warps=8)
+        torch.cuda.synchronize()
+        for name, got in (("putmem_block", inbox[:n]), ("putmem_signal_block", inbox[n:]),
+                          ("putmem_nbi_block", inbox_nbi[:n]), ("putmem_signal_nbi_block", inbox_nbi[n:])):
+            _check(f"shmem {name} #{epoch}", got, everyone[left])
+        want = torch.tensor([epoch, 3 * epoch, epoch, 5 * epoch, epoch], device=device)
+        _check(f"shmem signals #{epoch}", sigs, want)
+        dist.barrier(tg)
+
+
+def hierarchical(tg, rank, world, device, gen):
+    """The all-gather over 'nodes': world 4 as 2 x 2, as 4 x 1 and as 1 x 4."""
+    if not NVSHMEM:
+        return
+    for ranks_per_node in sorted({1, 2, world} & {r for r in (1, 2, 4) if world % r == 0}):
+        for trial, n in enumerate((1001, 1 << 20)):
+            x = torch.randn(n, device=device, generator=gen).to(torch.bfloat16)
+            want = torch.empty(world * n, dtype=x.dtype, device=device)
+            dist.all_gather_into_tensor(want, x)
+            got = torch.full_like(want, float("nan"))
+            torch_tdist.hierarchical_all_gather(got, x, ranks_per_node, group=tg)
+            _check(f"hierarchical all_gather {world // ranks_per_node}x{ranks_per_node} n={n}", got, want)
+
+
+def moe_example(tg, rank, world, device, gen):
+    """The MoE dispatch example (torch_tdist/examples/moe_all_to_all.py) against NCCL."""
+    if not NVSHMEM:
+        return
+    from torch_tdist.examples import moe_all_to_all as moe
+
+    tokens, topk, hidden, per_rank = 128, 8, 7168, 8  # the benchmark's MoE-dispatch shape
+    dispatch = moe.MoeDispatch(tg, tokens * topk, hidden, per_rank, torch.bfloat16, pieces=8)
+    for step in range(REPEATS):
+        rows, counts = moe.route(tokens, topk, world * per_rank, hidden, torch.bfloat16, device,
+                                 100 * step + rank)
+        recv, recv_counts = dispatch(rows, counts)
+        counts_in = torch.empty_like(counts)
+        dist.all_to_all_single(counts_in, counts)
+        rows_in = counts_in.view(world, -1).sum(1)
+        want = torch.empty(int(rows_in.sum()), hidden, dtype=torch.bfloat16, device=device)
+        dist.all_to_all_single(want, rows, rows_in.tolist(), counts.view(world, -1).sum(1).tolist())
+        _check(f"moe dispatch counts #{step}", recv_counts.reshape(-1), counts_in)
+        _check(f"moe dispatch rows #{step}", torch.cat([recv[s, :int(rows_in[s])] for s in range(world)]), want)
+
+
+def symm_mem_coexists(tg, rank, world, device, gen):
+    """torch's NVSHMEM symmetric memory works in the same process as tdist's NVSHMEM heap."""
+    if not NVSHMEM:
+        return
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.set_backend("NVSHMEM")
+    buf = symm_mem.empty(4096, device=device)
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+    x = torch.randn(4096, device=device, generator=gen)
+    buf.copy_(x)
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)  # (NCCL; it also orders every rank's copy before the reads)
+    torch.cuda.synchronize()
+    right = (rank + 1) % world
+    peer = handle.get_buffer(right, (4096,), torch.float32)
+    _check("torch symm_mem (NVSHMEM) read of the right peer", peer.clone(), everyone[right])
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
+CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, served_by_tdist,
+          shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated check names")
     parser.add_argument("--quick", action="store_true", help="float32 and bfloat16 only")
+    parser.add_argument("--symm-mem-first", action="store_true",
+                        help="torch's NVSHMEM symmetric memory starts before tdist's heap")
     args = parser.parse_args()
     if args.quick:
         global DTYPES
@@ -255,7 +354,10 @@ def main():
     tg = dist.new_group(backend="tdist")
     gen = torch.Generator(device).manual_seed(1234 + rank)
     wanted = set(filter(None, args.only.split(",")))
-    for check in CHECKS:
+    checks = CHECKS
+    if args.symm_mem_first:
+        checks = [symm_mem_coexists] + [c for c in CHECKS if c is not symm_mem_coexists]
+    for check in checks:
         if wanted and check.__name__ not in wanted:
             continue
         before, start = len(_failures), time.perf_counter()

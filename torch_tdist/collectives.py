@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import language
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import oneshot, staged
+from .triton_kernels import hierarchical, oneshot, staged
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -30,13 +30,14 @@ ONESHOT_WARPS = 8
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL
-# (benchmarks/results/collectives_NVIDIA_H200-x4.json). All-to-alls whose split sizes are
+# (benchmarks/results/collectives_NVIDIA_H200-x4*.json; all_to_all_single at 64 KB: 33.7 us
+# against NCCL's 50.7 us in one run and 26.0 us in another, so only 8 KB stays). All-to-alls whose split sizes are
 # given (ranks may send different sizes, so no size test agrees across ranks) go to NCCL
 # too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
-    "broadcast": 1 << 20, "all_to_all_single": 64 << 10,
+    "broadcast": 1 << 20, "all_to_all_single": 16 << 10,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
 
@@ -123,6 +124,8 @@ class Executor:
         self._flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
+        self._tree_signals = heap.empty(world, torch.int64)
+        self._tree_epoch = 0
         # Mailboxes take half of the heap (two slots per peer), staging a quarter; the last
         # quarter is for users' own symmetric buffers (torch_tdist.get_heap(group).empty(...)).
         self._slot_bytes = nbytes // 4 // world // 256 * 256
@@ -453,6 +456,34 @@ class Executor:
                                 [(p, 0, p * n + start, length) for p in range(self.world_size)], count=n)
         if out is not None:
             out.finish()
+
+    def hierarchical_all_gather(self, output, input, ranks_per_node: int):
+        """all_gather_into_tensor as between nodes of ``ranks_per_node`` ranks: NVSHMEM puts
+        between nodes, P2P stores inside (triton_kernels/hierarchical.py). Runs on the
+        caller's stream."""
+        op = "hierarchical_all_gather"
+        world = self.world_size
+        if ranks_per_node < 1 or world % ranks_per_node:
+            raise ValueError(f"tdist {op}: ranks_per_node={ranks_per_node} does not divide the "
+                             f"group's {world} ranks")
+        if output.dtype != input.dtype or output.numel() != world * input.numel():
+            raise ValueError(f"tdist {op}: output must hold {world} x {input.numel()} elements of "
+                             f"{input.dtype}; got {output.numel()} of {output.dtype}")
+        self._begin(op, input)
+        if self._heap.device.type == "cuda" and self._heap.transport != "nvshmem":
+            raise ValueError(f"tdist {op}: its puts between nodes are NVSHMEM calls; create the "
+                             f"group with TDIST_TRANSPORT=nvshmem (this one uses {self._heap.transport})")
+        src = _flat(input)
+        n = src.numel()
+        gathered = self._stage(src.dtype, world * n, op)[:world * n]
+        self.barrier()  # every peer is done with the staging area this call writes into
+        self._tree_epoch += 1
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
+        self._launch(op, hierarchical.hierarchical_all_gather_kernel, (1,), self._heap.ctx, src, gathered,
+                     self._tree_signals, n, self._tree_epoch, RANKS_PER_NODE=ranks_per_node,
+                     BLOCK=BLOCK, **meta)
+        output.copy_(gathered.view(output.shape))
+        self.barrier()  # no peer writes the next call's chunks here before the copy above
 
     def barrier(self):
         self._begin("barrier", None)

@@ -4,15 +4,20 @@ Every rank allocates the same sequence of buffers, so an offset names the same b
 every rank. Each rank maps every peer's heap; ``bases[p]`` is where peer ``p``'s heap sits in
 this process, and kernels translate pointers through it (see ``torch_tdist.language``).
 
-Transports: ``shm`` (CPU: POSIX shared memory, one segment per rank) and ``cuda`` (device
-memory shared through CUDA IPC within a node). ``nvshmem`` is named so the option is
-validated in one place; it is not built yet.
+Transports: ``shm`` (CPU: POSIX shared memory, one segment per rank), ``cuda`` (device
+memory shared through CUDA IPC within a node) and ``nvshmem`` (the heap is one
+``nvshmem_malloc`` of NVSHMEM, bootstrapped by the C++ backend through the group's store;
+P2P peers mapped with ``nvshmem_ptr``; kernels reach other nodes with the NVSHMEM calls of
+``torch_tdist.shmem_device``).
 """
 
+import glob
 import mmap
 import os
 import re
 import secrets
+import socket
+import weakref
 from datetime import timedelta
 
 import torch
@@ -49,13 +54,14 @@ def heap_options(options=None) -> tuple[str, int | None]:
     return transport, None if size is None else parse_size(size)
 
 
-def resolve_transport(transport: str, device: torch.device) -> str:
-    """The transport that serves tensors on ``device`` (``transport`` as the user chose it)."""
-    wanted = {"cpu": ("shm",), "cuda": ("cuda",)}.get(device.type, ())
+def resolve_transport(transport: str, device: torch.device, spans_nodes: bool = False) -> str:
+    """The transport that serves tensors on ``device`` (``transport`` as the user chose it;
+    ``auto`` picks NVSHMEM for a CUDA group whose ranks are on several hosts)."""
+    wanted = {"cpu": ("shm",), "cuda": ("cuda", "nvshmem")}.get(device.type, ())
     if not wanted:
         raise ValueError(f"tdist: no symmetric-heap transport for {device.type} tensors")
     if transport == "auto":
-        return wanted[0]
+        return "nvshmem" if device.type == "cuda" and spans_nodes else wanted[0]
     if transport not in wanted:
         raise ValueError(
             f"tdist: transport {transport!r} cannot serve {device.type} tensors; "
@@ -163,6 +169,9 @@ class _CudaSegment:
             return
         self.bytes = None
         torch.cuda.synchronize(self.device)
+        self._release()
+
+    def _release(self):
         cudart = _cudart(self.device)
         if self._owned:
             cudart.cudaFree(self._address)
@@ -196,6 +205,71 @@ def _check(result, call: str):
     return value[0] if value else None
 
 
+class _NvshmemSegment(_CudaSegment):
+    """A heap from ``nvshmem_malloc`` (own) or its mapping on a P2P peer (``nvshmem_ptr``)."""
+
+    @classmethod
+    def allocate(cls, store, key: str, rank: int, world_size: int, nbytes: int,
+                 device: torch.device) -> list:
+        """Every rank of a group that spans the whole job calls it, in the same order."""
+        from . import _C
+
+        _cudart(device)  # NVSHMEM binds to the current device
+        _, my_pe, n_pes = _C.nvshmem_bootstrap(store, f"{key}/nvshmem", rank, world_size,
+                                               nvshmem_host_library())
+        if (my_pe, n_pes) != (rank, world_size):
+            raise ValueError(
+                f"tdist: the nvshmem transport serves groups that span every process of the "
+                f"job in rank order (NVSHMEM has {n_pes} PEs, this is PE {my_pe}); this group "
+                f"has {world_size} ranks and this is rank {rank}. Use TDIST_TRANSPORT=cuda "
+                f"for subgroups")
+        address = _C.nvshmem_malloc(nbytes)
+        if not address:
+            raise MemoryError(
+                f"tdist: nvshmem_malloc({nbytes}) failed: the heap does not fit in NVSHMEM's "
+                f"symmetric memory; lower TDIST_HEAP_SIZE or raise NVSHMEM_SYMMETRIC_SIZE "
+                f"(before NVSHMEM starts)")
+        _check(_cudart(device).cudaMemset(address, 0, nbytes), "cudaMemset")
+        _check(_cudart(device).cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        store.set(f"{key}/zeroed/{rank}", "1")  # no peer writes here before the zeros land
+        store.wait([f"{key}/zeroed/{peer}" for peer in range(world_size)])
+        segments = []
+        for peer in range(world_size):
+            mapped = address if peer == rank else _C.nvshmem_ptr(address, peer)
+            if not mapped:
+                raise RuntimeError(
+                    f"tdist: nvshmem transport: rank {peer} is not reachable by P2P from rank "
+                    f"{rank} (another node); tdist's collectives need P2P peers for now, and "
+                    f"kernels reach other nodes through torch_tdist.shmem_device")
+            segments.append(cls(mapped, nbytes, device, owned=peer == rank))
+        return segments
+
+    def _release(self):
+        if self._owned:
+            from . import _C
+
+            _C.nvshmem_free(self._address)  # collective, like the malloc
+
+
+def nvshmem_host_library() -> str:
+    """Path of NVSHMEM's host library: the nvidia-nvshmem wheel's, else the loader's search."""
+    try:
+        import nvidia.nvshmem as wheel
+
+        for root in wheel.__path__:
+            found = sorted(glob.glob(os.path.join(root, "lib", "libnvshmem_host.so*")))
+            if found:
+                return found[0]
+    except ImportError:
+        pass
+    return "libnvshmem_host.so.3"
+
+
+def _spans_nodes(store, key: str, rank: int, world_size: int) -> bool:
+    store.set(f"{key}/host/{rank}", socket.gethostname())
+    return len({store.get(f"{key}/host/{peer}") for peer in range(world_size)}) > 1
+
+
 _SEGMENTS = {"shm": _ShmSegment, "cuda": _CudaSegment}
 
 
@@ -216,20 +290,16 @@ class SymmetricHeap:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.transport = resolve_transport(transport, self.device)
-        segment_type = _SEGMENTS[self.transport]
-        own = segment_type.create(nbytes, self.device)
-        try:
-            store.set(f"{key}/handle/{rank}", own.handle)
-            self._segments = [
-                own if peer == rank else segment_type.open(store.get(f"{key}/handle/{peer}"), nbytes, self.device)
-                for peer in range(world_size)
-            ]
-            store.set(f"{key}/mapped/{rank}", "1")
-            store.wait([f"{key}/mapped/{peer}" for peer in range(world_size)])
-        finally:
-            own.all_peers_mapped()  # (or we are failing)
+        spans_nodes = transport == "auto" and self.device.type == "cuda" and _spans_nodes(
+            store, key, rank, world_size)
+        self.transport = resolve_transport(transport, self.device, spans_nodes)
+        if self.transport == "nvshmem":
+            self._segments = _NvshmemSegment.allocate(store, key, rank, world_size, nbytes, self.device)
+        else:
+            self._segments = self._map_segments(_SEGMENTS[self.transport], store, key)
         addresses = [s.bytes.data_ptr() for s in self._segments]
+        self._addresses = addresses
+        self.timeout_s = timeout.total_seconds()
         if any(a % language.HEAP_ALIGN for a in addresses):
             raise RuntimeError(f"tdist: a heap segment is not {language.HEAP_ALIGN}-byte aligned")
         ctx = [0] * language.CTX_BASES.value + addresses
@@ -239,6 +309,32 @@ class SymmetricHeap:
         self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
         self.bases = self.ctx[language.CTX_BASES.value:]
         self._top = language.HEAP_ALIGN  # the first bytes hold the segment's job token
+        _LIVE_HEAPS.add(self)
+
+    def contains(self, address: int) -> bool:
+        """Whether ``address`` lies in this rank's part of the heap."""
+        return bool(self._segments) and 0 <= address - self._addresses[self.rank] < self.nbytes
+
+    def peer_delta(self, peer: int) -> int:
+        """How far ``peer``'s heap sits from this rank's, in this process's address space."""
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"tdist: peer {peer} is not a rank of this heap's group of {self.world_size}")
+        return self._addresses[peer] - self._addresses[self.rank]
+
+    def _map_segments(self, segment_type, store, key: str) -> list:
+        own = segment_type.create(self.nbytes, self.device)
+        try:
+            store.set(f"{key}/handle/{self.rank}", own.handle)
+            segments = [
+                own if peer == self.rank else
+                segment_type.open(store.get(f"{key}/handle/{peer}"), self.nbytes, self.device)
+                for peer in range(self.world_size)
+            ]
+            store.set(f"{key}/mapped/{self.rank}", "1")
+            store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)])
+        finally:
+            own.all_peers_mapped()  # (or we are failing)
+        return segments
 
     def alloc(self, nbytes: int, align: int = 256) -> int:
         """Reserve ``nbytes`` and return their offset; every rank must make the same calls."""
@@ -270,6 +366,20 @@ class SymmetricHeap:
         return self.view(offset, tuple(shape), dtype)
 
     def close(self):
+        _LIVE_HEAPS.discard(self)
         for seg in self._segments:
             seg.close()
         self._segments = []
+
+
+_LIVE_HEAPS: "weakref.WeakSet[SymmetricHeap]" = weakref.WeakSet()
+
+
+def heap_at(address: int) -> SymmetricHeap:
+    """The live heap of this process whose own part holds ``address``."""
+    for heap in list(_LIVE_HEAPS):
+        if heap.contains(address):
+            return heap
+    raise ValueError(
+        f"tdist: address {address:#x} is not in a symmetric heap of this process; symmetric "
+        f"calls take pointers into torch_tdist.get_heap(group) buffers")
