@@ -155,21 +155,35 @@ if INTERPRET:
         Under the interpreter the spin sleeps between polls (ranks share few cores) and gives
         up after the group's timeout.
         """
-        return _spin(sig, value, tl.load(ctx + CTX_TIMEOUT_MS))
+        return _spin_to_epoch(sig, value, tl.load(ctx + CTX_TIMEOUT_MS))
 
-    def _spin(sig, value, timeout_ms):
-        # Plain Python (the interpreter rewrites jit functions' arithmetic into tensor ops).
-        timeout_s = operator.index(timeout_ms) / 1000.0
+    # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
+    def host_int(value) -> int:
+        """An interpreter scalar (or a constexpr, or an int) as a Python int."""
+        if isinstance(value, tl.constexpr):
+            value = value.value
+        if hasattr(value, "handle"):
+            return int(value.handle.data.reshape(-1)[0])
+        return operator.index(value)
+
+    def _spin_to_epoch(sig, value, timeout_ms):
+        wanted = host_int(value)
+        return spin_until(sig, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}")
+
+    def spin_until(sig, satisfied, timeout_s: float, wanted: str):
+        """Polls the int64 slot ``sig`` (acquire), sleeping between polls (ranks share few
+        cores), until ``satisfied(value)``; returns the value as read. Gives up after
+        ``timeout_s`` with a PeerTimeoutError."""
         deadline = time.monotonic() + timeout_s
         pause = 0.0
         while True:
             seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-            if seen >= value:
+            if satisfied(host_int(seen)):
                 return seen
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"tdist: no signal from a peer after {timeout_s:.1f} s "
-                    f"(waited for epoch {operator.index(value)}, saw {operator.index(seen)})")
+                    f"(waited for {wanted}, saw {host_int(seen)})")
             time.sleep(pause)
             pause = min(pause * 2 + 1e-5, 1e-3)
 

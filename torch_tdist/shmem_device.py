@@ -22,7 +22,6 @@ as NVSHMEM's ``*_block`` calls require.
 import ctypes
 import operator
 import os
-import time
 
 import torch
 import triton
@@ -62,12 +61,7 @@ def device_library(arch: int = 90) -> str:
 if language.INTERPRET:
     jit = language.jit
 
-    def _int(value) -> int:
-        if isinstance(value, tl.constexpr):
-            value = value.value
-        if hasattr(value, "handle"):
-            return int(value.handle.data.reshape(-1)[0])
-        return operator.index(value)
+    _int = language.host_int
 
     def _remote(ptr, pe):
         """``ptr`` (a pointer into this rank's heap) as the same offset of ``pe``'s heap."""
@@ -98,18 +92,9 @@ if language.INTERPRET:
     def signal_wait_until(sig_addr, cmp, cmp_val):
         from .heap import heap_at
 
-        timeout_s = heap_at(_int(sig_addr)).timeout_s
         compare, wanted = _COMPARE[_int(cmp)], _int(cmp_val)
-        deadline, pause = time.monotonic() + timeout_s, 0.0
-        while True:
-            seen = _int(tl.atomic_add(sig_addr, 0, sem="acquire", scope="sys"))
-            if compare(seen, wanted):
-                return seen
-            if time.monotonic() > deadline:
-                raise language.PeerTimeoutError(
-                    f"tdist: signal_wait_until saw {seen}, waited for {wanted} for {timeout_s:.1f} s")
-            time.sleep(pause)
-            pause = min(pause * 2 + 1e-5, 1e-3)
+        return language.spin_until(sig_addr, lambda seen: compare(seen, wanted),
+                                   heap_at(_int(sig_addr)).timeout_s, f"a value {compare.__name__} {wanted}")
 
     def fence():
         pass  # the copies above completed in program order
@@ -131,11 +116,15 @@ else:
         def __init__(self, fn):
             self.fn = fn
             self._ready = set()
+            self._libraries = {}  # device index -> extern_libs
 
         def run(self, *args, grid, warmup, **kwargs):
             if "extern_libs" not in kwargs:
-                major, minor = torch.cuda.get_device_capability()
-                kwargs["extern_libs"] = {"libnvshmem_device": device_library(10 * major + minor)}
+                device = torch.cuda.current_device()
+                if device not in self._libraries:
+                    major, minor = torch.cuda.get_device_capability(device)
+                    self._libraries[device] = {"libnvshmem_device": device_library(10 * major + minor)}
+                kwargs["extern_libs"] = self._libraries[device]
             kernel = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
             kernel._init_handles()
             if kernel.module not in self._ready:
