@@ -197,7 +197,9 @@ def main():
                              f"of 5 loops, after {args.warmup} warm-ups (nccl-tests' way). "
                              f"*_single_us: one call after a barrier, median of {args.iters}: "
                              f"host launch time and rank skew included, noisy"),
-                  "size_limits": os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0",
+                  "algorithm": os.environ.get("TDIST_ALGORITHM", "auto"),
+                  "size_limits": (os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0"
+                                  and os.environ.get("TDIST_ALGORITHM", "auto") == "auto"),
                   "host_overhead_us": overhead, "rows": rows}
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"collectives_{machine}.json")

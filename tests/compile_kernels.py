@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
-from torch_tdist.triton_kernels import oneshot, staged  # noqa: E402
+from torch_tdist.triton_kernels import bulk, oneshot, staged  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -48,6 +48,22 @@ def _oneshot_specialisations():
 
 def specialisations():
     yield from _oneshot_specialisations()
+    for world, me in ((2, 1), (4, 0), (4, 3)):
+        for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max")):
+            for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):
+                common = {"ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
+                          "ready": "*i64"}
+                yield bulk.reduce_chunks_kernel, {
+                    **common, "dst": f"*{dt}", "n": "i64", "chunk": "i64", "n_chunks": "i64",
+                    "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
+                    "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr"}, {
+                        "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align, "OP": op,
+                        "ACC": ACC[dt]}
+                yield bulk.gather_chunks_kernel, {
+                    **common, "out": f"*{dt}", "part_stride": "i64", "part_len": "i64", "limit": "i64",
+                    "chunk": "i64", "n_chunks": "i64", "ME": "constexpr", "WORLD": "constexpr",
+                    "KMAX": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr"}, {
+                        "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):
@@ -56,13 +72,12 @@ def specialisations():
                 "ctx": "*i64", "src": f"*{dt}", "stage": f"*{dt}", "n": "i64", "hdr_src": "*i64",
                 "hdr": "*i64", "n_hdr": "i64", "sig": "*i64", "op_code": "i32", "dtype_code": "i32",
                 "count": "i64", "WORLD": "constexpr", "BLOCK": "constexpr"}, {"WORLD": world, "BLOCK": 4096}
-            for from_header, align in ((False, 1), (False, 16), (True, 1)):
+            for align in (1, 16):
                 yield staged.pull_copy_kernel, {
                     "ctx": "*i64", "stage": f"*{dt}", "hdr": "*i64", "out": f"*{dt}", "segs": "*i64",
                     "sig": "*i64", "op_code": "i32", "dtype_code": "i32", "count": "i64",
                     "WORLD": "constexpr", "BLOCK": "constexpr",
-                    "SRC_FROM_HEADER": "constexpr", "ALIGN": "constexpr"}, {
-                        "WORLD": world, "BLOCK": 4096, "SRC_FROM_HEADER": from_header, "ALIGN": align}
+                    "ALIGN": "constexpr"}, {"WORLD": world, "BLOCK": 4096, "ALIGN": align}
         for dt in REDUCIBLE:
             for op in ("sum", "avg", "max", "min", "product"):
                 if op == "avg" and dt.startswith("i"):
@@ -107,7 +122,7 @@ def check_wide_accesses(target):
     """The data-moving loops use 16-byte loads and stores (bf16, aligned operands)."""
     checked = 0
     for kernel, signature, constexprs in specialisations():
-        data = signature.get("out", signature.get("src", ""))
+        data = signature.get("out", signature.get("src", signature.get("dst", "")))
         wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in data
         if kernel is _every_primitive or not wanted:
             continue

@@ -208,22 +208,30 @@ def async_overlap(tg, rank, world, device, gen):
               f"both {t_both:.2f} ms (serial would be {t_compute + t_comm:.2f})", flush=True)
 
 
+def _captured(calls, warmups):
+    """A CUDA graph of ``calls()``, after ``warmups`` runs on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph
+
+
 def graph_replay(tg, rank, world, device, gen):
     n = 65536
     static_x = torch.zeros(n, device=device)
     static_ag_in = torch.zeros(4096, device=device, dtype=torch.bfloat16)
     static_ag = torch.zeros(4096 * world, device=device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm up: kernels compiled, launch plans recorded
-            dist.all_reduce(static_x, group=tg)
-            dist.all_gather_into_tensor(static_ag, static_ag_in, group=tg)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls():
         dist.all_reduce(static_x, group=tg)
         dist.all_gather_into_tensor(static_ag, static_ag_in, group=tg)
+    graph = _captured(calls, warmups=3)  # warm-ups: kernels compiled, launch plans recorded
     for i in range(100):
         x = torch.randn(n, device=device, generator=gen)
         y = torch.randn(4096, device=device, generator=gen).to(torch.bfloat16)
@@ -235,6 +243,63 @@ def graph_replay(tg, rank, world, device, gen):
         dist.all_gather_into_tensor(want_ag, y)
         _check(f"graph replay {i} all_reduce", static_x, want_x)
         _check(f"graph replay {i} all_gather", static_ag, want_ag)
+
+
+def bulk_path(tg, rank, world, device, gen):
+    """The bulk path (copy engines, chunk flags) on a group that takes it at every size:
+    all_gather, reduce_scatter and all_reduce with odd element counts and several chunks, then
+    20 CUDA-graph replays of them."""
+    from torch_tdist import bulk
+
+    if NVSHMEM:  # a second NVSHMEM heap of 1 GB per rank is more than the runs allow for
+        return
+    os.environ["TDIST_ALGORITHM"] = "bulk"
+    bg = dist.new_group(backend="tdist")
+    del os.environ["TDIST_ALGORITHM"]
+    chunk_bytes, bulk.CHUNK_BYTES = bulk.CHUNK_BYTES, 1 << 20
+    for dtype in (torch.float32, torch.bfloat16):
+        for trial, n in enumerate((1001, (3 << 20) // dtype.itemsize + 5, 65536)):
+            tag = f"{str(dtype)[6:]} n={n} #{trial}"
+            x = _rand(n, dtype, device, gen)
+
+            def gather(g):
+                out = torch.full((n * world,), 7, dtype=dtype, device=device)
+                dist.all_gather_into_tensor(out, x, group=g)
+                return out
+            _check(f"bulk all_gather {tag}", *_pair(gather, bg))
+            for name in ("sum", "avg", "max"):
+                wide = _rand(n * world, dtype, device, gen)
+
+                def reduce_scatter(g):
+                    out = torch.full((n,), 7, dtype=dtype, device=device)
+                    dist.reduce_scatter_tensor(out, wide, op=REDUCE_OPS[name], group=g)
+                    return out
+                _check(f"bulk reduce_scatter {name} {tag}", *_pair(reduce_scatter, bg))
+
+                def reduce_all(g):
+                    t = x.clone()
+                    dist.all_reduce(t, op=REDUCE_OPS[name], group=g)
+                    return t
+                _check(f"bulk all_reduce {name} {tag}", *_pair(reduce_all, bg))
+    bulk.CHUNK_BYTES = chunk_bytes
+
+    n = (2 << 20) + 3
+    static_x = torch.zeros(n, device=device)
+    static_ag = torch.zeros(n * world, device=device)
+
+    def calls():
+        dist.all_reduce(static_x, group=bg)
+        dist.all_gather_into_tensor(static_ag, static_x, group=bg)
+    graph = _captured(calls, warmups=1)
+    for i in range(20):
+        x = torch.randn(n, device=device, generator=gen)
+        static_x.copy_(x)
+        graph.replay()
+        want_x, want_ag = x.clone(), torch.empty_like(static_ag)
+        dist.all_reduce(want_x)
+        dist.all_gather_into_tensor(want_ag, want_x)
+        _check(f"bulk graph replay {i} all_reduce", static_x, want_x)
+        _check(f"bulk graph replay {i} all_gather", static_ag, want_ag)
 
 
 def served_by_tdist(tg, rank, world, device, gen):
@@ -333,7 +398,8 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
-CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, served_by_tdist,
+CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, bulk_path,
+          served_by_tdist,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

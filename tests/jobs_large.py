@@ -51,3 +51,45 @@ def every_op_in_rounds(rank, ws, n, dtype_name, seed):
     dist.gather(x, gathered, dst=1)
     if rank == 1:
         assert torch.equal(torch.cat(gathered), torch.cat(xs)), "gather: wrong result"
+
+
+def bulk_path(rank, ws, n, dtype_name, seed):
+    """all_gather (both forms), reduce_scatter (both forms) and all_reduce on the bulk path, with
+    every reduce op it serves, in several rounds; outputs poisoned first."""
+    import torch_tdist
+
+    dtype = getattr(torch, dtype_name)
+    before = torch_tdist.stats()
+    xs = _inputs(seed, ws, n, dtype)
+    x = xs[rank]
+
+    out = torch.full((ws * n,), float("nan"), dtype=dtype)
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out, torch.cat(xs)), "all_gather_into_tensor: wrong result"
+    parts = [torch.full((n,), float("nan"), dtype=dtype) for _ in range(ws)]
+    dist.all_gather(parts, x)
+    assert torch.equal(torch.cat(parts), torch.cat(xs)), "all_gather: wrong result"
+
+    wide = _inputs(seed + 1, ws, ws * n, dtype)
+    stacked = torch.stack([w.float() for w in wide])
+    for name, want in (("SUM", stacked.sum(0)), ("AVG", stacked.mean(0)), ("MAX", stacked.amax(0)),
+                       ("MIN", stacked.amin(0))):
+        rs = torch.full((n,), float("nan"), dtype=dtype)
+        dist.reduce_scatter_tensor(rs, wide[rank], op=getattr(dist.ReduceOp, name))
+        _close(rs, want[rank * n:(rank + 1) * n], f"reduce_scatter_tensor {name}")
+    rs = torch.full((n,), float("nan"), dtype=dtype)
+    dist.reduce_scatter(rs, [t.clone() for t in wide[rank].view(ws, n)])
+    _close(rs, stacked.sum(0)[rank * n:(rank + 1) * n], "reduce_scatter")
+
+    stacked = torch.stack([t.float() for t in xs])
+    for name, want in (("SUM", stacked.sum(0)), ("PRODUCT", stacked.prod(0)), ("MAX", stacked.amax(0))):
+        ar = x.clone()
+        dist.all_reduce(ar, op=getattr(dist.ReduceOp, name))
+        _close(ar, want, f"all_reduce {name}")
+        everyone = [torch.empty_like(ar) for _ in range(ws)]
+        dist.all_gather(everyone, ar)
+        assert all(torch.equal(e, ar) for e in everyone), f"all_reduce {name}: ranks disagree"
+
+    after = torch_tdist.stats()
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+        assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op

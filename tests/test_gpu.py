@@ -1,7 +1,8 @@
 """GPU checks against NCCL (tests/gpu_checks.py), one process per GPU: the cuda transport on 2
 GPUs (float32 and bfloat16) and on 4 (every dtype); the nvshmem transport on 2 (torch's NVSHMEM
 symmetric memory started first) and on 4 (tdist first), with the NVSHMEM calls, the
-hierarchical all-gather and the MoE example.
+hierarchical all-gather and the MoE example; and the bad-input matrix on CUDA tensors
+(tests/gpu_bad_input.py, 2 GPUs).
 
 Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them:
 ``bash benchmarks/device_run.sh test``.
@@ -41,3 +42,17 @@ def test_gpu_checks_against_nccl(run):
         cwd=root, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-20000:], proc.stderr[-5000:])
     assert proc.returncode == 0, f"GPU checks failed on {nproc} ranks:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.timeout(300)
+def test_gpu_bad_input():
+    """Every bad-input case on CUDA tensors raises on every rank within seconds (tests/gpu_bad_input.py)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": "cuda"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.gpu_bad_input"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    print(proc.stdout[-20000:], proc.stderr[-5000:])
+    assert proc.returncode == 0, f"GPU bad-input checks failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"

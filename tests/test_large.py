@@ -1,7 +1,9 @@
 """Messages larger than the symmetric heap's staging area go in several rounds, not errors.
 
-The pool runs with TDIST_HEAP_SIZE=16K (8 KiB of staging per rank), so every op below takes
-several rounds (reduce_scatter and scatter stage one piece per rank in each round).
+The pools run with TDIST_HEAP_SIZE=16K (4 KiB of staging per rank), so every op below takes
+several rounds (reduce_scatter and scatter stage one piece per rank in each round). The bulk
+path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it serve these
+small ones too (with a 64K heap, still several rounds).
 """
 
 import pytest
@@ -13,12 +15,23 @@ from tests.multiproc import RankPool, backend_under_test
 _POOLS = {}
 
 
+def _pool(world_size, heap_size="16K", **env):
+    env = {"TDIST_HEAP_SIZE": heap_size, **env}
+    key = (world_size, tuple(sorted(env.items())))
+    if key not in _POOLS:
+        _POOLS[key] = RankPool(world_size, backend_under_test(), env=env,
+                               name=f"RankPool(ws={world_size}, {env})")
+    return _POOLS[key]
+
+
 @pytest.fixture
 def small_heap_pool(world_size):
-    if world_size not in _POOLS:
-        _POOLS[world_size] = RankPool(world_size, backend_under_test(), env={"TDIST_HEAP_SIZE": "16K"},
-                                      name=f"RankPool(ws={world_size}, TDIST_HEAP_SIZE=16K)")
-    yield _POOLS[world_size]
+    yield _pool(world_size)
+
+
+@pytest.fixture
+def bulk_pool(world_size):
+    yield _pool(world_size, "64K", TDIST_ALGORITHM="bulk")  # 12 KiB of bulk slots after its flags
 
 
 def teardown_module():
@@ -32,3 +45,16 @@ def teardown_module():
 @pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16")])
 def test_every_op_in_rounds(small_heap_pool, n, dtype, seed):
     small_heap_pool.run(J.every_op_in_rounds, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3, 4])
+@pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
+def test_bulk_path(bulk_pool, n, dtype, seed):
+    bulk_pool.run(J.bulk_path, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2])
+def test_every_op_in_rounds_on_bulk_path(bulk_pool, seed):
+    bulk_pool.run(J.every_op_in_rounds, 5001, "float32", seed, timeout=120)

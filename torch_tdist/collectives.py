@@ -4,10 +4,12 @@ The C++ backend (``torch_tdist._C.ProcessGroupTDist``) validates arguments, coun
 hands each served op to an :class:`Executor` method of the same name as torch.distributed's
 function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barrier are one
 launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
-mailbox slot); reduce, scatter and gather are the publish/pull pair of
-``triton_kernels/staged.py``.
+mailbox slot); large all_gathers, reduce_scatters and all_reduces take the bulk path instead
+(``bulk.py``: copies between heaps, on GPUs by the copy engines); reduce, scatter and gather
+are the publish/pull pair of ``triton_kernels/staged.py``.
 """
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -15,6 +17,9 @@ import torch
 import triton.language as tl
 
 from . import language
+from .bulk import BulkPath
+from .bulk import aligned as _aligned
+from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
 from .triton_kernels import hierarchical, oneshot, staged
 
@@ -40,6 +45,18 @@ GPU_SIZE_LIMITS = {
     "broadcast": 1 << 20, "all_to_all_single": 16 << 10,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
+
+# Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
+# all_reduce take the bulk path (None: never). On the CPU it beats the interpreted one-shot
+# kernel from a few MB for all_gather and reduce_scatter, not for all_reduce. On H200s it is
+# slower than NCCL at every size measured (benchmarks/results/collectives_NVIDIA_H200-x4-bulk.json),
+# so large GPU messages still go to NCCL. TDIST_ALGORITHM=oneshot|bulk forces one path at every
+# size, with no size handed to NCCL (to measure them).
+BULK_FROM_BYTES = {
+    "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
+    "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
+}
+ALGORITHMS = ("auto", "oneshot", "bulk")
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
@@ -101,9 +118,14 @@ class Executor:
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
+        self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
-        limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0"
+        self.algorithm = os.environ.get("TDIST_ALGORITHM", "auto").lower()
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"tdist: TDIST_ALGORITHM={self.algorithm!r}; expected one of "
+                             f"{', '.join(ALGORITHMS)}")
+        limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
         self.gpu_size_limits = GPU_SIZE_LIMITS if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
 
@@ -120,16 +142,19 @@ class Executor:
                              device=device, transport=self.transport)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
-        self._header = heap.empty(staged.HEADER_FIXED.value + 2 * world, torch.int64)
+        self._header = heap.empty(staged.HEADER_FIXED.value, torch.int64)
         self._flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
         self._tree_epoch = 0
-        # Mailboxes take half of the heap (two slots per peer), staging a quarter; the last
-        # quarter is for users' own symmetric buffers (torch_tdist.get_heap(group).empty(...)).
-        self._slot_bytes = nbytes // 4 // world // 256 * 256
+        # A quarter each: the mailboxes (two slots per peer), the bulk path's area, staging,
+        # and users' own symmetric buffers (torch_tdist.get_heap(group).empty(...)).
+        self._slot_bytes = nbytes // 8 // world // 256 * 256
         self._box_offset = heap.alloc(2 * world * self._slot_bytes)
+        bulk_bytes = nbytes // 4 // 256 * 256
+        self._bulk = BulkPath(heap, heap.alloc(bulk_bytes), bulk_bytes, self._launch,
+                              lambda dtype: _ACCUMULATOR.get(dtype, tl.float32))
         self._stage_bytes = nbytes // 4
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
@@ -183,15 +208,15 @@ class Executor:
         device = self._default_device() if tensor is None else _canonical(tensor.device)
         self._ensure_heap(device, op)
         self._launched = []
+        self._replayable = True
 
     # ---- the two phases ----------------------------------------------------------------
-    def _publish(self, op: str, src: torch.Tensor, count: int, header: list[int] | None = None):
+    def _publish(self, op: str, src: torch.Tensor, count: int):
         """Stage ``src``; ``count`` goes into the header for peers to compare with their own."""
         stage = self._stage(src.dtype, src.numel(), op)
-        hdr_src = self._empty_header if header is None else self._table(header, src.device)
         self._launch(op, staged.publish_kernel, (_programs(src.numel()),),
-                     self._heap.ctx, src, stage, src.numel(), hdr_src, self._header,
-                     0 if header is None else len(header), self._signals,
+                     self._heap.ctx, src, stage, src.numel(), self._empty_header, self._header,
+                     0, self._signals,
                      _CALL_CODE[op], _DTYPE_CODE[src.dtype], count, WORLD=self.world_size, BLOCK=BLOCK)
 
     def _rounds(self, numel: int, dtype: torch.dtype, parts: int = 1) -> list[tuple[int, int]]:
@@ -214,7 +239,7 @@ class Executor:
         self._launch(op, staged.pull_copy_kernel, grid,
                      self._heap.ctx, stage, self._header, out, segs, self._signals,
                      _CALL_CODE[op], _DTYPE_CODE[out.dtype], count,
-                     WORLD=self.world_size, BLOCK=BLOCK, SRC_FROM_HEADER=False,
+                     WORLD=self.world_size, BLOCK=BLOCK,
                      ALIGN=_vector(out.dtype) if aligned else 1)
         self._check_status(op, out.dtype, count)
 
@@ -251,32 +276,46 @@ class Executor:
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
+    def _takes_bulk(self, op: str, nbytes: int) -> bool:
+        if self.algorithm != "auto":
+            return self.algorithm == "bulk"
+        threshold = BULK_FROM_BYTES[self._heap.device.type][op]
+        return threshold is not None and nbytes >= threshold
+
     def _slot_rounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
         """(start, length) pieces of ``numel`` elements that each fit a mailbox slot."""
         capacity = self._slot_bytes // dtype.itemsize
         return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
-        try:
+        with self._peer_timeouts(op):
             compiled = kernel[grid](*args, **meta)
             if not language.INTERPRET:
                 self._launched.append((kernel, compiled, grid, args, meta))
+
+    @contextlib.contextmanager
+    def _peer_timeouts(self, op: str):
+        """A peer that never signalled ends this group: peers and this rank now disagree on
+        where the group is, so it refuses further work."""
+        try:
+            yield
+        except _GroupStopped:
+            raise
         except Exception as err:
             cause = err
             while cause is not None and not isinstance(cause, language.PeerTimeoutError):
                 cause = cause.__cause__
-            if cause is not None:
-                # peers and this rank now disagree on where the group is: refuse further work
-                self._stopped = f"{op} timed out waiting for a peer"
-                raise TimeoutError(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
-            raise
+            if cause is None:
+                raise
+            self._stopped = f"{op} timed out waiting for a peer"
+            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
 
     def _plan(self, src: torch.Tensor, dst: torch.Tensor):
         """The call's launch as C++ can replay it for the next call of this shape (see
         ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params)``, each
         param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, 2 the input's address and
         3 the output's. None when the call was not one plain launch on ``src`` and ``dst``."""
-        if language.INTERPRET or self._check_calls or len(self._launched) != 1:
+        if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
             return None
         (kernel, compiled, grid, args, meta), = self._launched
         self._launched = []
@@ -345,9 +384,14 @@ class Executor:
         src = _flat(input)
         out = _Output(targets)
         n = src.numel()
-        for start, length in self._slot_rounds(n, src.dtype):
-            self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
-                          offsets=(n,))
+        if self._takes_bulk("all_gather", src.numel() * src.element_size()):
+            self._replayable = False  # copies and stream signals besides its one launch
+            with self._peer_timeouts(op):
+                self._bulk.all_gather(op, out.flat, src)
+        else:
+            for start, length in self._slot_rounds(n, src.dtype):
+                self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
+                              offsets=(n,))
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -361,9 +405,14 @@ class Executor:
         self._begin(name, output)
         out = _Output([output])
         n = output.numel()
-        for start, length in self._slot_rounds(n, src.dtype):
-            self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length, stride=n,
-                          reduce_op=reduce_op, offsets=(n,))
+        if self._takes_bulk("reduce_scatter", src.numel() * src.element_size()):
+            self._replayable = False
+            with self._peer_timeouts(name):
+                self._bulk.reduce_scatter(name, out.flat, src, reduce_op)
+        else:
+            for start, length in self._slot_rounds(n, src.dtype):
+                self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length,
+                              stride=n, reduce_op=reduce_op, offsets=(n,))
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -378,9 +427,14 @@ class Executor:
         src = _flat(tensor)
         out = _Output([tensor])
         if dst is None:
-            for start, length in self._slot_rounds(src.numel(), src.dtype):
-                self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
-                              reduce_op=reduce_op)
+            if self._takes_bulk("all_reduce", src.numel() * src.element_size()):
+                self._replayable = False
+                with self._peer_timeouts(name):
+                    self._bulk.all_reduce(name, out.flat, src, reduce_op)
+            else:
+                for start, length in self._slot_rounds(src.numel(), src.dtype):
+                    self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
+                                  reduce_op=reduce_op)
             out.finish()
             return
         keeps_result = dst == self.rank
@@ -411,7 +465,7 @@ class Executor:
             raise ValueError(
                 f"tdist {op}: {max(send_counts + recv_counts)} elements between two ranks, but a "
                 f"mailbox holds {capacity} {str(src.dtype).replace('torch.', '')} elements; raise "
-                f"TDIST_HEAP_SIZE (or the backend option 'heap_size'); a slot is 1/(4 x world size) "
+                f"TDIST_HEAP_SIZE (or the backend option 'heap_size'); a slot is 1/(8 x world size) "
                 f"of the heap")
         out = _Output(targets)
         tables = _offsets(send_counts) + send_counts + _offsets(recv_counts) + recv_counts
@@ -499,18 +553,13 @@ class Executor:
             self._heap = None
 
 
+class _GroupStopped(TimeoutError):
+    """A collective timed out waiting for a peer; the group serves no more calls."""
+
+
 def _programs(numel: int, per: int = 1) -> int:
     """Programs for a launch that moves ``numel`` elements (``per``: launches share the budget)."""
     return max(1, min(-(-numel // BLOCK), MAX_PROGRAMS // per))
-
-
-def _vector(dtype: torch.dtype) -> int:
-    """Elements in a 16-byte access."""
-    return max(16 // dtype.itemsize, 1)
-
-
-def _aligned(dtype: torch.dtype, offsets) -> bool:
-    return all(v % _vector(dtype) == 0 for v in offsets)
 
 
 def _canonical(device: torch.device) -> torch.device:

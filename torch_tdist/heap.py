@@ -315,11 +315,15 @@ class SymmetricHeap:
         """Whether ``address`` lies in this rank's part of the heap."""
         return bool(self._segments) and 0 <= address - self._addresses[self.rank] < self.nbytes
 
-    def peer_delta(self, peer: int) -> int:
-        """How far ``peer``'s heap sits from this rank's, in this process's address space."""
+    def base_address(self, peer: int) -> int:
+        """Where ``peer``'s heap sits in this process's address space."""
         if not 0 <= peer < self.world_size:
             raise ValueError(f"tdist: peer {peer} is not a rank of this heap's group of {self.world_size}")
-        return self._addresses[peer] - self._addresses[self.rank]
+        return self._addresses[peer]
+
+    def peer_delta(self, peer: int) -> int:
+        """How far ``peer``'s heap sits from this rank's, in this process's address space."""
+        return self.base_address(peer) - self._addresses[self.rank]
 
     def _map_segments(self, segment_type, store, key: str) -> list:
         own = segment_type.create(self.nbytes, self.device)

@@ -12,9 +12,8 @@ Every collective is two launches on every rank:
    A header that does not match is never read past: the status slot records it for the host,
    which raises, and the signals still flow so the group stays usable.
 
-Header layout (int64): ``op | dtype | count | send offsets[WORLD] | send counts[WORLD]``;
-``count`` is the whole call's element count (a large call is staged in several rounds), and
-the last two parts are only for all-to-all, where ``count`` is not compared.
+Header layout (int64): ``op | dtype | count``, then any words the caller publishes with it;
+``count`` is the whole call's element count (a large call is staged in several rounds).
 
 Signals hold the group's epoch, which only grows (compared with ``>=``), so nothing is ever
 reset between collectives. The epoch lives in device memory: every launch reads
@@ -114,14 +113,11 @@ def _report(sig, peer, kind, WORLD: tl.constexpr):
 
 @tdl.jit
 def pull_copy_kernel(ctx, stage, hdr, out, segs, sig, op_code, dtype_code, count,
-                     WORLD: tl.constexpr, BLOCK: tl.constexpr, SRC_FROM_HEADER: tl.constexpr,
-                     ALIGN: tl.constexpr):
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """Program (b, s) copies its share of segment s: ``out[dst:dst+len] = stage@peer[src:src+len]``.
 
     ``segs`` is int64 ``[n_segs, 4]``: (peer, src offset, dst offset, length) in elements;
     every offset and length is a multiple of ALIGN (which lets the compiler use wide accesses).
-    With SRC_FROM_HEADER the source offset is read from the peer's header (its send offset
-    for this rank) and the peer's send count for this rank must equal our length.
     ``count``: the element count every peer must have published (NO_COUNT: not compared).
     """
     pid = tl.program_id(0)
@@ -134,13 +130,6 @@ def pull_copy_kernel(ctx, stage, hdr, out, segs, sig, op_code, dtype_code, count
     length = tl.multiple_of(tl.load(seg + 3), ALIGN)
     tdl.wait(ctx, sig + peer, epoch)
     same = _call_matches(ctx, hdr, sig, peer, op_code, dtype_code, count, WORLD)
-    if SRC_FROM_HEADER:
-        me = tdl.rank(ctx)
-        src_off = tdl.load(ctx, hdr + HEADER_FIXED + me, peer)
-        sent = tdl.load(ctx, hdr + HEADER_FIXED + WORLD + me, peer)
-        if same & (sent != length):
-            _report(sig, peer, STATUS_SIZE_MISMATCH, WORLD)
-        same = same & (sent == length)
     limit = tl.where(same, length, 0)  # (the mask keeps `length`, whose alignment is known)
     remote = tdl.symm_at(ctx, stage, peer) + src_off
     local = out + dst_off

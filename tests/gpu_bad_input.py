@@ -1,0 +1,117 @@
+"""Bad input on CUDA tensors: every case of the CPU matrix (tests/jobs_bad_input.py) with CUDA
+tensors, plus tensors on another GPU than the group's, a message larger than the heap and the
+nvshmem transport asked for where its library is missing.
+
+    torchrun --nproc-per-node 2 -m tests.gpu_bad_input
+
+Run by ``tests/test_gpu.py``. The default group is tdist, tensors are made on this rank's GPU.
+Every rank makes the same bad call; each must raise on every rank within seconds, with a
+ValueError or TypeError whose message says "tdist" and names the op (calls tdist hands to
+NCCL may raise NCCL's error instead). Afterwards the group must still compute correctly.
+Prints one line per case; exits non-zero if any failed.
+"""
+
+import os
+import sys
+import time
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402,F401
+from tests import jobs_bad_input as J  # noqa: E402
+
+MAX_SECONDS = 10.0
+VALIDATION = (ValueError, TypeError)
+# Cases the CPU matrix has that mean nothing here: a meta tensor on the CPU backend; BAND and
+# friends go to NCCL on CUDA tensors, which serves them (no error to expect).
+NOT_ON_GPU = {"meta_tensor_on_cpu_backend", "band_on_float32", "band_on_bfloat16"}
+
+
+def _expect_error(name, call, ops, types=VALIDATION):
+    """None if ``call`` raised as it should, else what went wrong."""
+    print(f"{name} ...", file=sys.stderr, flush=True)  # where a crash happened, if one does
+    start = time.perf_counter()
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001  (inspected below)
+        took = time.perf_counter() - start
+        msg = str(err).lower()
+        if took > MAX_SECONDS:
+            return f"{name}: raised after {took:.1f} s"
+        if not isinstance(err, types) and not any(t.__name__ in msg for t in types):
+            return f"{name}: {type(err).__name__} is not one of {[t.__name__ for t in types]}: {err}"
+        if "tdist" not in msg or not any(op in msg for op in ops):
+            return f"{name}: message does not say tdist and name one of {ops}: {err}"
+        return None
+    return f"{name}: returned without raising"
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("tdist")
+    torch.set_default_device(device)
+    dist.all_reduce(torch.ones(4))  # the heap now lives on this rank's GPU
+    from tests.test_bad_input import EXPECT
+
+    failures, checked = [], 0
+    for case, (ops, types, sizes) in EXPECT.items():
+        if case in NOT_ON_GPU or world not in sizes:
+            continue
+        checked += 1
+        problem = _expect_error(case, lambda: J.CASES[case](world), ops, types)
+        failures += [problem] if problem else []
+        print(f"rank {rank}: {case:<32} {'ok' if not problem else 'FAILED'}", flush=True)
+
+    other = torch.device("cuda", (local + 1) % torch.cuda.device_count())
+    extra = {
+        "input on another GPU": (lambda: dist.all_reduce(torch.ones(1024, device=other)), ["all_reduce"]),
+        "output on another GPU": (lambda: dist.all_gather_into_tensor(
+            torch.empty(1024 * world, device=other), torch.ones(1024)), ["all_gather_into_tensor"]),
+    }
+    os.environ["TDIST_HEAP_SIZE"] = "1M"
+    os.environ["TDIST_ALGORITHM"] = "oneshot"  # no size handed to NCCL
+    small = dist.new_group(backend="tdist")
+    del os.environ["TDIST_HEAP_SIZE"], os.environ["TDIST_ALGORITHM"]
+    extra["all_to_all larger than the heap's mailboxes"] = (
+        lambda: dist.all_to_all_single(torch.empty(world << 20), torch.ones(world << 20), group=small),
+        ["all_to_all_single"])
+    import torch_tdist.heap as heap
+
+    real_library = heap.nvshmem_host_library
+    heap.nvshmem_host_library = lambda: "/nonexistent/libnvshmem_host.so.3"
+    os.environ["TDIST_TRANSPORT"] = "nvshmem"
+    no_nvshmem = dist.new_group(backend="tdist")
+    del os.environ["TDIST_TRANSPORT"]
+    extra["nvshmem transport without its library"] = (
+        lambda: dist.all_reduce(torch.ones(8), group=no_nvshmem), ["all_reduce"], (RuntimeError,))
+    for name, (call, ops, *types) in extra.items():
+        checked += 1
+        problem = _expect_error(name, call, ops, *types)
+        failures += [problem] if problem else []
+        print(f"rank {rank}: {name:<32} {'ok' if not problem else 'FAILED'}", flush=True)
+
+    heap.nvshmem_host_library = real_library
+    xs = [torch.randn(1000, generator=torch.Generator(device).manual_seed(r)) for r in range(world)]
+    x = xs[rank].clone()
+    dist.all_reduce(x)
+    checked += 1
+    if not torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5):
+        failures.append("all_reduce after the bad calls: wrong result")
+    for line in failures:
+        print(f"rank {rank}: {line}", flush=True)
+    print(f"rank {rank}: {checked} bad-input checks, {len(failures)} failed", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Large all_gather, reduce_scatter and all_reduce: every rank pushes its data into its peers'
+heaps with plain copies (on GPUs the copy engines, one side stream per peer) in chunks, raising a
+flag after each chunk (``stream_ops``); one kernel on the receiving rank takes each chunk as
+soon as its flags are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the
+transfer.
+
+Each round (a piece of the message that fits the bulk area), on the group's stream:
+
+- start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them;
+- all_gather: push the input to every peer's slot [me]; the gather kernel copies each arrived
+  chunk into the output (and the input into this rank's part);
+- reduce_scatter: push input part ``p`` to peer ``p``'s slot [me]; the reduce kernel combines
+  each arrived chunk in rank order (this rank's part read from the input) into the output;
+- all_reduce: reduce_scatter's push and reduction into a "reduced" slot, then all_gather's push
+  of that slot into a second set of slots, and the gather kernel;
+- the flags a kernel waited on are zeroed after it.
+
+Why it is safe: a peer writes this rank's slots and flags only after the start barrier of the
+same call, which it passes only after this rank's previous call is done (every step is on the
+group's stream before this rank's start writes). Every value written or waited for is 0 or 1,
+nothing is chosen per call on the host, so a CUDA graph of these calls is correct on every
+replay. The area is not the one-shot mailboxes: a one-shot call right after a bulk call cannot
+write where a slower peer still reads.
+"""
+
+import torch
+
+from . import language
+from .stream_ops import Streams
+from .triton_kernels import bulk
+
+KMAX = 64  # most chunks per slot in a round
+# Bytes per chunk (fewer, larger chunks when KMAX would be exceeded); small on the CPU, so that
+# the tests' messages come in several chunks. On H200s 16 MB chunks did best for 64 MB
+# messages: each chunk costs a copy and a flag from Python (about 20 us of host time each).
+CHUNK_BYTES = 4096 if language.INTERPRET else 16 << 20
+KERNEL_BLOCK_BYTES = 16384
+KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs wait on flags)
+
+
+def vector(dtype: torch.dtype) -> int:
+    """Elements in a 16-byte access."""
+    return max(16 // dtype.itemsize, 1)
+
+
+def aligned(dtype: torch.dtype, offsets) -> bool:
+    return all(v % vector(dtype) == 0 for v in offsets)
+
+
+class BulkPath:
+    """The bulk algorithms of one group over ``heap`` bytes ``[offset, offset + nbytes)``.
+    ``launch(op, kernel, grid, *args, **meta)`` launches a kernel as the executor does;
+    ``accumulator(dtype)`` is the type reductions of ``dtype`` accumulate in."""
+
+    def __init__(self, heap, offset: int, nbytes: int, launch, accumulator):
+        world = heap.world_size
+        self.heap, self.rank, self.world = heap, heap.rank, world
+        self.device = heap.device
+        self._launch, self._accumulator = launch, accumulator
+        # int64 flags: start[world], then ready[2 sets][world][KMAX]
+        flag_bytes = -(-(world + 2 * world * KMAX) * 8 // 256) * 256
+        if nbytes <= flag_bytes:
+            raise ValueError("tdist: the symmetric heap is too small for the bulk path; raise "
+                             "TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        self._flags_offset, self._data_offset = offset, offset + flag_bytes
+        self._data_bytes = nbytes - flag_bytes
+        self._flags = heap.view(offset, (world + 2 * world * KMAX,), torch.int64)
+        self._data = {}
+        self._streams = Streams(heap.device)
+
+    # ---- heap addresses -----------------------------------------------------------------
+    def _slots(self, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:
+        """The data area as a flat ``dtype`` tensor (this rank's, or ``peer``'s)."""
+        key = (self.rank if peer is None else peer, dtype)
+        if key not in self._data:
+            self._data[key] = self.heap.view(self._data_offset, (self._data_bytes // dtype.itemsize,),
+                                             dtype, peer)
+        return self._data[key]
+
+    def _flag_address(self, peer: int, index: int) -> int:
+        return self.heap.base_address(peer) + self._flags_offset + 8 * index
+
+    def _ready_index(self, flag_set: int, sender: int, k: int) -> int:
+        return self.world + (flag_set * self.world + sender) * KMAX + k
+
+    # ---- steps --------------------------------------------------------------------------
+    def _start_barrier(self, op: str):
+        """Every peer has finished its previous call (on the main stream; then the call's side
+        streams are ordered after it)."""
+        streams = self._streams
+        streams.begin(self.world - 1)
+        for p in self._peers():
+            streams.write(0, self._flag_address(p, self.rank), 1)
+        for p in self._peers():
+            streams.wait_at_least(0, self._flag_address(self.rank, p), 1, self.heap.timeout_s,
+                                  f"{op}: rank {p} to start")
+        streams.zero(0, self._flags[:self.world])
+        streams.fork(self.world - 1)
+
+    def _push(self, flag_set: int, pieces, chunk: int, n_chunks: int):
+        """For every ``(peer, dst, src)``, on side stream ``i`` for the ``i``-th: ``src`` ->
+        ``dst`` (on ``peer``'s heap) chunk by chunk, raising ``peer``'s ready flag of each of
+        the ``n_chunks`` chunks (empty ones too)."""
+        for stream, (peer, dst, src) in enumerate(pieces, start=1):
+            for k in range(n_chunks):
+                part = src[k * chunk:(k + 1) * chunk]
+                if part.numel():
+                    self._streams.copy(stream, dst[k * chunk:k * chunk + part.numel()], part)
+                address = self._flag_address(peer, self._ready_index(flag_set, self.rank, k))
+                self._streams.write(stream, address, 1)
+
+    def _done_with(self, flag_set: int):
+        first = self._ready_index(flag_set, 0, 0)
+        self._streams.zero(0, self._flags[first:first + self.world * KMAX])
+
+    def _peers(self):
+        """Peers in the order this rank pushes to them (rotated, so peers do not all start on
+        the same rank)."""
+        return [(self.rank + i) % self.world for i in range(1, self.world)]
+
+    def _chunking(self, dtype: torch.dtype, length: int) -> tuple[int, int]:
+        """(elements per chunk, chunks) for a slot of ``length`` elements."""
+        v = vector(dtype)
+        chunk = max(CHUNK_BYTES // dtype.itemsize, -(-length // KMAX))
+        chunk = -(-chunk // v) * v
+        return chunk, max(1, -(-length // chunk))
+
+    def _slot_length(self, dtype: torch.dtype, slots: int) -> int:
+        v = vector(dtype)
+        length = self._data_bytes // dtype.itemsize // slots // v * v
+        if length == 0:
+            raise ValueError("tdist: the symmetric heap is too small for the bulk path; raise "
+                             "TDIST_HEAP_SIZE (or the backend option 'heap_size')")
+        return length
+
+    def _meta(self, dtype: torch.dtype) -> dict:
+        block = 8192 if language.INTERPRET else KERNEL_BLOCK_BYTES // dtype.itemsize
+        meta = {"ME": self.rank, "WORLD": self.world, "KMAX": KMAX, "BLOCK": block}
+        return meta if language.INTERPRET else {**meta, "num_warps": 8}
+
+    def _gather(self, op, own, slots, slot_stride, flag_set, out, part_stride, part_len, limit,
+                chunk, n_chunks, offsets):
+        dtype = out.dtype
+        self._launch(op, bulk.gather_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, own, slots,
+                     slot_stride, self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride,
+                     part_len, limit, chunk, n_chunks,
+                     ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, **self._meta(dtype))
+        self._done_with(flag_set)
+
+    def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets):
+        dtype = dst.dtype
+        self._launch(op, bulk.reduce_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, own, slots,
+                     slot_stride, self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk,
+                     n_chunks, ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
+                     ACC=self._accumulator(dtype), **self._meta(dtype))
+        self._done_with(flag_set)
+
+    # ---- the algorithms -----------------------------------------------------------------
+    def all_gather(self, op: str, out: torch.Tensor, src: torch.Tensor):
+        """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
+        n, me, dtype = src.numel(), self.rank, src.dtype
+        capacity = self._slot_length(dtype, self.world)
+        for start in range(0, n, capacity):
+            length = min(capacity, n - start)
+            chunk, n_chunks = self._chunking(dtype, length)
+            self._start_barrier(op)
+            self._push(0, [(p, self._slots(dtype, p)[me * length:(me + 1) * length],
+                            src[start:start + length]) for p in self._peers()], chunk, n_chunks)
+            self._gather(op, src[start:], self._slots(dtype), length, 0, out[start:], n, length,
+                         self.world * n, chunk, n_chunks, offsets=(start, length, n))
+            self._streams.join(self.world - 1)
+
+    def reduce_scatter(self, op: str, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
+        """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""
+        n, me, dtype = out.numel(), self.rank, src.dtype
+        capacity = self._slot_length(dtype, self.world)
+        for start in range(0, n, capacity):
+            length = min(capacity, n - start)
+            chunk, n_chunks = self._chunking(dtype, length)
+            self._start_barrier(op)
+            self._push(0, [(p, self._slots(dtype, p)[me * length:(me + 1) * length],
+                            src[p * n + start:p * n + start + length]) for p in self._peers()],
+                       chunk, n_chunks)
+            self._reduce(op, src[me * n + start:], self._slots(dtype), length, 0, out[start:], length,
+                         chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
+            self._streams.join(self.world - 1)
+
+    def all_reduce(self, op: str, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
+        """``out`` (flat, may be ``src``) = OP over ranks of their flat ``src``: a reduce_scatter
+        into this rank's reduced slot, then an all_gather of the reduced slots."""
+        n, me, world, dtype = src.numel(), self.rank, self.world, src.dtype
+        capacity = self._slot_length(dtype, 2 * world + 1)  # two sets of slots, and the reduced one
+        v = vector(dtype)
+        for start in range(0, n, world * capacity):
+            piece = min(world * capacity, n - start)
+            part = -(-piece // (world * v)) * v  # elements per rank, a multiple of 16 bytes
+            chunk, n_chunks = self._chunking(dtype, part)
+            lo, hi = start + min(me * part, piece), start + min((me + 1) * part, piece)
+            mine = self._slots(dtype)
+            reduced = mine[2 * world * part:2 * world * part + part]
+            self._start_barrier(op)
+            self._push(0, [(p, self._slots(dtype, p)[me * part:(me + 1) * part],
+                            src[start + min(p * part, piece):start + min((p + 1) * part, piece)])
+                           for p in self._peers()], chunk, n_chunks)
+            self._reduce(op, src[lo:], mine, part, 0, reduced, hi - lo, chunk, n_chunks, reduce_op,
+                         offsets=(lo, part))
+            self._streams.fork(world - 1)  # the reduced slot is complete
+            self._push(1, [(p, self._slots(dtype, p)[(world + me) * part:(world + me + 1) * part],
+                            reduced[:hi - lo]) for p in self._peers()], chunk, n_chunks)
+            self._gather(op, reduced, mine[world * part:], part, 1, out[start:], part, part, piece,
+                         chunk, n_chunks, offsets=(start, part))
+            self._streams.join(world - 1)

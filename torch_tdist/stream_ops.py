@@ -1,0 +1,125 @@
+"""What the bulk path queues on streams without a kernel: an int64 written at a heap address (this
+rank's heap or a peer's) once the stream's earlier work is done, a hold on a stream until an
+int64 reaches a value, copies, and fork/join between streams.
+
+On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory barrier,
+``cuStreamWaitValue64``, ``cuMemcpyAsync``, events), a few microseconds of host time each, and
+CUDA graphs capture them. ``Streams.for_cpu()`` is the same interface where the stream is the
+calling thread: stores, spins that give up after the group's timeout, and torch copies.
+"""
+
+import ctypes
+import time
+
+import torch
+
+from .language import PeerTimeoutError
+
+
+class Streams:
+    """One rank's streams for a bulk call: index 0 is the caller's current stream, the others
+    side streams (created once, reused)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._side = []  # (torch stream, CUstream, CUevent)
+        self._main_event = None
+
+    @classmethod
+    def for_cpu(cls) -> "Streams":
+        return cls(torch.device("cpu"))
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def begin(self, sides: int):
+        """Start a call on the current stream that may use ``sides`` side streams."""
+        if self.on_cpu:
+            return
+        cu = _driver()
+        self._main = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        while len(self._side) < sides:
+            stream = torch.cuda.Stream(self.device)
+            event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            self._side.append((stream, cu.CUstream(stream.cuda_stream), event))
+        if self._main_event is None:
+            self._main_event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def fork(self, sides: int):
+        """Order the first ``sides`` side streams after everything queued on the main stream."""
+        if self.on_cpu:
+            return
+        cu = _driver()
+        _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
+        for _, handle, _ in self._side[:sides]:
+            _check(cu.cuStreamWaitEvent(handle, self._main_event, 0), "cuStreamWaitEvent")
+
+    def join(self, sides: int):
+        """Order the main stream after everything queued on the first ``sides`` side streams."""
+        if self.on_cpu:
+            return
+        cu = _driver()
+        for _, handle, event in self._side[:sides]:
+            _check(cu.cuEventRecord(event, handle), "cuEventRecord")
+            _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
+
+    def _handle(self, stream: int):
+        return self._main if stream == 0 else self._side[stream - 1][1]
+
+    def copy(self, stream: int, dst: torch.Tensor, src: torch.Tensor):
+        """``dst.copy_(src)`` (same dtype and size, contiguous) on ``stream``."""
+        if self.on_cpu:
+            dst.copy_(src)
+            return
+        cu = _driver()
+        _check(cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
+                                self._handle(stream)), "cuMemcpyAsync")
+
+    def zero(self, stream: int, t: torch.Tensor):
+        """Zero int64 tensor ``t`` on ``stream``."""
+        if self.on_cpu:
+            t.zero_()
+            return
+        cu = _driver()
+        _check(cu.cuMemsetD32Async(t.data_ptr(), 0, 2 * t.numel(), self._handle(stream)), "cuMemsetD32Async")
+
+    def write(self, stream: int, address: int, value: int):
+        """Store int64 ``value`` at ``address`` once ``stream``'s earlier work is done (and
+        visible)."""
+        if self.on_cpu:
+            ctypes.c_int64.from_address(address).value = value
+            return
+        cu = _driver()
+        _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
+
+    def wait_at_least(self, stream: int, address: int, value: int, timeout_s: float, what: str):
+        """Hold ``stream`` until the int64 at ``address`` is ``value`` or more."""
+        if self.on_cpu:
+            slot = ctypes.c_int64.from_address(address)
+            deadline, pause = time.monotonic() + timeout_s, 0.0
+            while slot.value < value:
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(f"tdist: no signal from a peer after {timeout_s:.1f} s "
+                                           f"(waited for {what})")
+                time.sleep(pause)
+                pause = min(pause * 2 + 1e-5, 1e-3)
+            return
+        cu = _driver()
+        _check(cu.cuStreamWaitValue64(self._handle(stream), address, value,
+                                      cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+               "cuStreamWaitValue64")
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, call: str):
+    cu = _driver()
+    err, *value = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"tdist: {call} failed: {cu.cuGetErrorString(err)[1]}")
+    return value[0] if value else None
