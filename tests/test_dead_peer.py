@@ -79,3 +79,55 @@ def test_survivors_raise_when_a_peer_is_killed(op):
         assert second[0] == "raised" and "stopped" in second[2], f"rank {rank}: next call {second}"
         assert second[3] < 1, f"rank {rank}: the refusal took {second[3]:.1f} s"
     assert not (set(os.listdir("/dev/shm")) - before), "shared-memory segments were left behind"
+
+
+def _rank_dies_setting_up(rank, world, store_path, results):
+    import torch
+    import torch.distributed as dist
+
+    import torch_tdist  # noqa: F401
+    from torch_tdist import heap
+
+    if rank == world - 1:  # dies with its segment created and named, before the peers mapped it
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        heap._ShmSegment.open = die
+    dist.init_process_group("tdist", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.randn(64))  # the first call sets the heap up
+        outcome = ("returned",)
+    except Exception as err:  # noqa: BLE001  (the parent inspects it)
+        outcome = ("raised", type(err).__name__, str(err)[:300], time.monotonic() - start)
+    results.put((rank, outcome))
+    os._exit(0)
+
+
+@pytest.mark.tdist_only
+def test_a_rank_killed_while_the_heap_is_set_up_leaves_nothing_in_dev_shm():
+    world = 3
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    before = set(os.listdir("/dev/shm"))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_dies_setting_up, args=(r, world, os.path.join(tmp, "store"), results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.join(max(1, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            p.kill()
+        assert not alive, f"ranks {alive} did not exit (a survivor hangs)"
+    reports = {}
+    while not results.empty():
+        rank, outcome = results.get()
+        reports[rank] = outcome
+    assert sorted(reports) == list(range(world - 1)), f"survivors that reported: {sorted(reports)}"
+    for rank, outcome in reports.items():
+        assert outcome[0] == "raised", f"rank {rank}: the heap was set up although a peer was dead"
+        assert outcome[3] <= TIMEOUT_S + SLACK_S, f"rank {rank}: raised after {outcome[3]:.1f} s"
+    assert not (set(os.listdir("/dev/shm")) - before), "the dead rank's segment was left behind"

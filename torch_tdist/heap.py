@@ -121,6 +121,13 @@ class _ShmSegment:
     def all_peers_mapped(self):
         _unlink(self.path)  # nothing stays in /dev/shm, whatever happens to the job later
 
+    @staticmethod
+    def forget(handle: bytes):
+        """Remove the name of a peer's segment (its handle) from /dev/shm."""
+        name = handle.decode().partition(":")[0]
+        if re.fullmatch(r"tdist-[0-9a-f]{32}", name):
+            _unlink(os.path.join(SHM_DIR, name))
+
     def close(self):
         self.bytes = None
         try:
@@ -163,6 +170,10 @@ class _CudaSegment:
 
     def all_peers_mapped(self):
         pass
+
+    @staticmethod
+    def forget(handle: bytes):
+        pass  # an IPC handle names nothing that outlives its process
 
     def close(self):
         if self.bytes is None:
@@ -296,7 +307,7 @@ class SymmetricHeap:
         if self.transport == "nvshmem":
             self._segments = _NvshmemSegment.allocate(store, key, rank, world_size, nbytes, self.device)
         else:
-            self._segments = self._map_segments(_SEGMENTS[self.transport], store, key)
+            self._segments = self._map_segments(_SEGMENTS[self.transport], store, key, timeout)
         addresses = [s.bytes.data_ptr() for s in self._segments]
         self._addresses = addresses
         self.timeout_s = timeout.total_seconds()
@@ -325,17 +336,29 @@ class SymmetricHeap:
         """How far ``peer``'s heap sits from this rank's, in this process's address space."""
         return self.base_address(peer) - self._addresses[self.rank]
 
-    def _map_segments(self, segment_type, store, key: str) -> list:
+    def _map_segments(self, segment_type, store, key: str, timeout: timedelta) -> list:
         own = segment_type.create(self.nbytes, self.device)
         try:
             store.set(f"{key}/handle/{self.rank}", own.handle)
+            store.wait([f"{key}/handle/{peer}" for peer in range(self.world_size)], timeout)
             segments = [
                 own if peer == self.rank else
                 segment_type.open(store.get(f"{key}/handle/{peer}"), self.nbytes, self.device)
                 for peer in range(self.world_size)
             ]
             store.set(f"{key}/mapped/{self.rank}", "1")
-            store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)])
+            store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)], timeout)
+        except BaseException:
+            # A peer that died between creating its segment and every peer mapping it never
+            # removed its segment's name: the ranks still here remove every name they know.
+            for peer in range(self.world_size):
+                try:
+                    handle_key = f"{key}/handle/{peer}"
+                    if store.check([handle_key]):
+                        segment_type.forget(store.get(handle_key))
+                except Exception:  # noqa: BLE001  (the store may have died with the peer)
+                    pass
+            raise
         finally:
             own.all_peers_mapped()  # (or we are failing)
         return segments
