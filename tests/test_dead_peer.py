@@ -48,15 +48,13 @@ def _rank(rank, world, store_path, op, results):
     os._exit(0)  # no destroy_process_group: the fallback backend would wait for the dead rank
 
 
-@pytest.mark.tdist_only
-@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
-def test_survivors_raise_when_a_peer_is_killed(op):
-    world = 3
+def _run_ranks(target, world, *args):
+    """Runs ``target(rank, world, store_path, *args, results)`` in ``world`` processes; returns
+    ``{rank: report}`` of the ranks that reported, after checking every process exited."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    before = set(os.listdir("/dev/shm"))
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), op, results))
+        procs = [ctx.Process(target=target, args=(r, world, os.path.join(tmp, "store"), *args, results))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -69,8 +67,17 @@ def test_survivors_raise_when_a_peer_is_killed(op):
         assert not alive, f"ranks {alive} did not exit (a survivor hangs)"
     reports = {}
     while not results.empty():
-        rank, first, second = results.get()
-        reports[rank] = (first, second)
+        rank, *report = results.get()
+        reports[rank] = report
+    return reports
+
+
+@pytest.mark.tdist_only
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
+def test_survivors_raise_when_a_peer_is_killed(op):
+    world = 3
+    before = set(os.listdir("/dev/shm"))
+    reports = _run_ranks(_rank, world, op)
     assert sorted(reports) == list(range(world - 1)), f"survivors that reported: {sorted(reports)}"
     for rank, (first, second) in reports.items():
         assert first[0] == "raised", f"rank {rank}: {op} returned although a peer was dead"
@@ -107,25 +114,8 @@ def _rank_dies_setting_up(rank, world, store_path, results):
 @pytest.mark.tdist_only
 def test_a_rank_killed_while_the_heap_is_set_up_leaves_nothing_in_dev_shm():
     world = 3
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     before = set(os.listdir("/dev/shm"))
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_dies_setting_up, args=(r, world, os.path.join(tmp, "store"), results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.join(max(1, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            p.kill()
-        assert not alive, f"ranks {alive} did not exit (a survivor hangs)"
-    reports = {}
-    while not results.empty():
-        rank, outcome = results.get()
-        reports[rank] = outcome
+    reports = {rank: outcome for rank, (outcome,) in _run_ranks(_rank_dies_setting_up, world).items()}
     assert sorted(reports) == list(range(world - 1)), f"survivors that reported: {sorted(reports)}"
     for rank, outcome in reports.items():
         assert outcome[0] == "raised", f"rank {rank}: the heap was set up although a peer was dead"
