@@ -59,6 +59,11 @@ def specialisations():
                     "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr"}, {
                         "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align, "OP": op,
                         "ACC": ACC[dt]}
+                yield bulk.push_chunks_kernel, {
+                    "ctx": "*i64", "src": f"*{dt}", "src_stride": "i64", "part_len": "i64", "limit": "i64",
+                    "dst": f"*{dt}", "ready": "*i64", "chunk": "i64", "n_chunks": "i64",
+                    "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
+                    "ALIGN": "constexpr"}, {"ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align}
                 yield bulk.gather_chunks_kernel, {
                     **common, "out": f"*{dt}", "part_stride": "i64", "part_len": "i64", "limit": "i64",
                     "chunk": "i64", "n_chunks": "i64", "ME": "constexpr", "WORLD": "constexpr",

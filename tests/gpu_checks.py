@@ -246,20 +246,28 @@ def graph_replay(tg, rank, world, device, gen):
 
 
 def bulk_path(tg, rank, world, device, gen):
-    """The bulk path (copy engines, chunk flags) on a group that takes it at every size:
-    all_gather, reduce_scatter and all_reduce with odd element counts and several chunks, then
-    20 CUDA-graph replays of them."""
+    """The bulk path (chunk flags; pushes by the copy engines, then by the push kernel) on
+    groups that take it at every size: all_gather, reduce_scatter and all_reduce with odd
+    element counts and several chunks, then 20 CUDA-graph replays of them."""
     from torch_tdist import bulk
 
-    if NVSHMEM:  # a second NVSHMEM heap of 1 GB per rank is more than the runs allow for
+    if NVSHMEM:  # more NVSHMEM heaps of 1 GB per rank than the runs allow for
         return
-    os.environ["TDIST_ALGORITHM"] = "bulk"
-    bg = dist.new_group(backend="tdist")
-    del os.environ["TDIST_ALGORITHM"]
-    chunk_bytes, bulk.CHUNK_BYTES = bulk.CHUNK_BYTES, 1 << 20
+    for pusher in bulk.PUSHERS:
+        os.environ.update(TDIST_ALGORITHM="bulk", TDIST_BULK_PUSH=pusher)
+        bg = dist.new_group(backend="tdist")
+        del os.environ["TDIST_ALGORITHM"], os.environ["TDIST_BULK_PUSH"]
+        chunk_bytes = bulk.CHUNK_BYTES[pusher]
+        bulk.CHUNK_BYTES[pusher] = 1 << 20
+        _bulk_calls(bg, pusher, world, device, gen)
+        bulk.CHUNK_BYTES[pusher] = chunk_bytes
+        _bulk_graph_replays(bg, pusher, world, device, gen)
+
+
+def _bulk_calls(bg, pusher, world, device, gen):
     for dtype in (torch.float32, torch.bfloat16):
         for trial, n in enumerate((1001, (3 << 20) // dtype.itemsize + 5, 65536)):
-            tag = f"{str(dtype)[6:]} n={n} #{trial}"
+            tag = f"{pusher} {str(dtype)[6:]} n={n} #{trial}"
             x = _rand(n, dtype, device, gen)
 
             def gather(g):
@@ -281,8 +289,9 @@ def bulk_path(tg, rank, world, device, gen):
                     dist.all_reduce(t, op=REDUCE_OPS[name], group=g)
                     return t
                 _check(f"bulk all_reduce {name} {tag}", *_pair(reduce_all, bg))
-    bulk.CHUNK_BYTES = chunk_bytes
 
+
+def _bulk_graph_replays(bg, pusher, world, device, gen):
     n = (2 << 20) + 3
     static_x = torch.zeros(n, device=device)
     static_ag = torch.zeros(n * world, device=device)
@@ -298,8 +307,8 @@ def bulk_path(tg, rank, world, device, gen):
         want_x, want_ag = x.clone(), torch.empty_like(static_ag)
         dist.all_reduce(want_x)
         dist.all_gather_into_tensor(want_ag, want_x)
-        _check(f"bulk graph replay {i} all_reduce", static_x, want_x)
-        _check(f"bulk graph replay {i} all_gather", static_ag, want_ag)
+        _check(f"bulk {pusher} graph replay {i} all_reduce", static_x, want_x)
+        _check(f"bulk {pusher} graph replay {i} all_gather", static_ag, want_ag)
 
 
 def served_by_tdist(tg, rank, world, device, gen):

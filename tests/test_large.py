@@ -29,9 +29,10 @@ def small_heap_pool(world_size):
     yield _pool(world_size)
 
 
-@pytest.fixture
-def bulk_pool(world_size):
-    yield _pool(world_size, "64K", TDIST_ALGORITHM="bulk")  # 12 KiB of bulk slots after its flags
+@pytest.fixture(params=["copy_engine", "sm"])
+def bulk_pool(world_size, request):
+    # 12 KiB of bulk slots after its flags; pushes by copies or by the push kernel
+    yield _pool(world_size, "64K", TDIST_ALGORITHM="bulk", TDIST_BULK_PUSH=request.param)
 
 
 def teardown_module():

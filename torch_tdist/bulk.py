@@ -1,8 +1,8 @@
 """Large all_gather, reduce_scatter and all_reduce: every rank pushes its data into its peers'
-heaps with plain copies (on GPUs the copy engines, one side stream per peer) in chunks, raising a
-flag after each chunk (``stream_ops``); one kernel on the receiving rank takes each chunk as
-soon as its flags are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the
-transfer.
+heaps in chunks, raising a flag after each chunk: with plain copies (on GPUs the copy engines,
+one side stream per peer, flags by ``stream_ops``) or with one push kernel on a side stream
+(``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags
+are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the transfer.
 
 Each round (a piece of the message that fits the bulk area), on the group's stream:
 
@@ -23,6 +23,8 @@ replay. The area is not the one-shot mailboxes: a one-shot call right after a bu
 write where a slower peer still reads.
 """
 
+import os
+
 import torch
 
 from . import language
@@ -30,10 +32,16 @@ from .stream_ops import Streams
 from .triton_kernels import bulk
 
 KMAX = 64  # most chunks per slot in a round
+# Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (one
+# kernel, push_chunks_kernel, on a side stream). TDIST_BULK_PUSH chooses, to measure them.
+PUSHERS = ("copy_engine", "sm")
 # Bytes per chunk (fewer, larger chunks when KMAX would be exceeded); small on the CPU, so that
-# the tests' messages come in several chunks. On H200s 16 MB chunks did best for 64 MB
-# messages: each chunk costs a copy and a flag from Python (about 20 us of host time each).
-CHUNK_BYTES = 4096 if language.INTERPRET else 16 << 20
+# the tests' messages come in several chunks. On H200s 16 MB copy-engine chunks did best for
+# 64 MB messages: each costs a copy and a flag from Python (about 20 us of host time each).
+# Kernel pushes cost no host time per chunk, and want more chunks than programs.
+CHUNK_BYTES = {"copy_engine": 4096 if language.INTERPRET else 16 << 20,
+               "sm": 4096 if language.INTERPRET else 512 << 10}
+NO_LIMIT = 1 << 62
 KERNEL_BLOCK_BYTES = 16384
 KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs wait on flags)
 
@@ -67,6 +75,9 @@ class BulkPath:
         self._flags = heap.view(offset, (world + 2 * world * KMAX,), torch.int64)
         self._data = {}
         self._streams = Streams(heap.device)
+        self.pusher = os.environ.get("TDIST_BULK_PUSH", "copy_engine").lower()
+        if self.pusher not in PUSHERS:
+            raise ValueError(f"tdist: TDIST_BULK_PUSH={self.pusher!r}; expected one of {', '.join(PUSHERS)}")
 
     # ---- heap addresses -----------------------------------------------------------------
     def _slots(self, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:
@@ -97,15 +108,31 @@ class BulkPath:
         streams.zero(0, self._flags[:self.world])
         streams.fork(self.world - 1)
 
-    def _push(self, flag_set: int, pieces, chunk: int, n_chunks: int):
-        """For every ``(peer, dst, src)``, on side stream ``i`` for the ``i``-th: ``src`` ->
-        ``dst`` (on ``peer``'s heap) chunk by chunk, raising ``peer``'s ready flag of each of
-        the ``n_chunks`` chunks (empty ones too)."""
-        for stream, (peer, dst, src) in enumerate(pieces, start=1):
+    def _push(self, op: str, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int,
+              limit: int, dst_offset: int, chunk: int, n_chunks: int):
+        """Peer ``p``'s part of ``src`` (``src[p * src_stride:]``, ``min(part_len, limit - p *
+        src_stride)`` elements, at least 0) -> ``p``'s slots at element ``dst_offset``, chunk by
+        chunk, raising ``p``'s ready flag of each of the ``n_chunks`` chunks (empty ones too);
+        all peers at once, off the main stream."""
+        peers = self._peers()
+        if self.pusher == "sm":
+            dtype = src.dtype
+            self._streams.fork(1)
+            with self._streams.side(1):
+                self._launch(op, bulk.push_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, src,
+                             src_stride, part_len, limit, self._slots(dtype)[dst_offset:],
+                             self._flags[self._ready_index(flag_set, 0, 0):], chunk, n_chunks,
+                             ALIGN=vector(dtype) if aligned(dtype, (src_stride, chunk, dst_offset)) else 1,
+                             **self._meta(dtype))
+            return
+        for stream, peer in enumerate(peers, start=1):
+            length = max(0, min(part_len, limit - peer * src_stride))
+            part = src[peer * src_stride:peer * src_stride + length]
+            dst = self._slots(src.dtype, peer)[dst_offset:dst_offset + length]
             for k in range(n_chunks):
-                part = src[k * chunk:(k + 1) * chunk]
-                if part.numel():
-                    self._streams.copy(stream, dst[k * chunk:k * chunk + part.numel()], part)
+                piece = part[k * chunk:(k + 1) * chunk]
+                if piece.numel():
+                    self._streams.copy(stream, dst[k * chunk:k * chunk + piece.numel()], piece)
                 address = self._flag_address(peer, self._ready_index(flag_set, self.rank, k))
                 self._streams.write(stream, address, 1)
 
@@ -121,7 +148,7 @@ class BulkPath:
     def _chunking(self, dtype: torch.dtype, length: int) -> tuple[int, int]:
         """(elements per chunk, chunks) for a slot of ``length`` elements."""
         v = vector(dtype)
-        chunk = max(CHUNK_BYTES // dtype.itemsize, -(-length // KMAX))
+        chunk = max(CHUNK_BYTES[self.pusher] // dtype.itemsize, -(-length // KMAX))
         chunk = -(-chunk // v) * v
         return chunk, max(1, -(-length // chunk))
 
@@ -164,8 +191,7 @@ class BulkPath:
             length = min(capacity, n - start)
             chunk, n_chunks = self._chunking(dtype, length)
             self._start_barrier(op)
-            self._push(0, [(p, self._slots(dtype, p)[me * length:(me + 1) * length],
-                            src[start:start + length]) for p in self._peers()], chunk, n_chunks)
+            self._push(op, 0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._gather(op, src[start:], self._slots(dtype), length, 0, out[start:], n, length,
                          self.world * n, chunk, n_chunks, offsets=(start, length, n))
             self._streams.join(self.world - 1)
@@ -178,9 +204,7 @@ class BulkPath:
             length = min(capacity, n - start)
             chunk, n_chunks = self._chunking(dtype, length)
             self._start_barrier(op)
-            self._push(0, [(p, self._slots(dtype, p)[me * length:(me + 1) * length],
-                            src[p * n + start:p * n + start + length]) for p in self._peers()],
-                       chunk, n_chunks)
+            self._push(op, 0, src[start:], n, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._reduce(op, src[me * n + start:], self._slots(dtype), length, 0, out[start:], length,
                          chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
             self._streams.join(self.world - 1)
@@ -199,14 +223,11 @@ class BulkPath:
             mine = self._slots(dtype)
             reduced = mine[2 * world * part:2 * world * part + part]
             self._start_barrier(op)
-            self._push(0, [(p, self._slots(dtype, p)[me * part:(me + 1) * part],
-                            src[start + min(p * part, piece):start + min((p + 1) * part, piece)])
-                           for p in self._peers()], chunk, n_chunks)
+            self._push(op, 0, src[start:], part, part, piece, me * part, chunk, n_chunks)
             self._reduce(op, src[lo:], mine, part, 0, reduced, hi - lo, chunk, n_chunks, reduce_op,
                          offsets=(lo, part))
             self._streams.fork(world - 1)  # the reduced slot is complete
-            self._push(1, [(p, self._slots(dtype, p)[(world + me) * part:(world + me + 1) * part],
-                            reduced[:hi - lo]) for p in self._peers()], chunk, n_chunks)
+            self._push(op, 1, reduced, 0, hi - lo, NO_LIMIT, (world + me) * part, chunk, n_chunks)
             self._gather(op, reduced, mine[world * part:], part, 1, out[start:], part, part, piece,
                          chunk, n_chunks, offsets=(start, part))
             self._streams.join(world - 1)

@@ -8,6 +8,7 @@ CUDA graphs capture them. ``Streams.for_cpu()`` is the same interface where the 
 calling thread: stores, spins that give up after the group's timeout, and torch copies.
 """
 
+import contextlib
 import ctypes
 import time
 
@@ -63,6 +64,12 @@ class Streams:
         for _, handle, event in self._side[:sides]:
             _check(cu.cuEventRecord(event, handle), "cuEventRecord")
             _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
+
+    def side(self, stream: int):
+        """A context in which torch (and Triton) work goes to side stream ``stream`` (1-based)."""
+        if self.on_cpu:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side[stream - 1][0])
 
     def _handle(self, stream: int):
         return self._main if stream == 0 else self._side[stream - 1][1]

@@ -1,6 +1,7 @@
 """The kernels of the bulk path (``torch_tdist/bulk.py``): peers copy chunks of a message into
-this rank's slots (by the copy engines) and raise a flag per chunk; these kernels take each
-chunk as soon as its flags are up, so their work overlaps the copies still in flight.
+this rank's slots (by the copy engines, or by ``push_chunks_kernel``) and raise a flag per
+chunk; the gather and reduce kernels take each chunk as soon as its flags are up, so their
+work overlaps the copies still in flight.
 
 Slots: ``slots + s * slot_stride`` is where rank ``s`` puts its part; ``ready + s * KMAX + k`` is
 the flag rank ``s`` raises (to 1) once chunk ``k`` (elements ``[k * chunk, (k + 1) * chunk)``)
@@ -22,6 +23,34 @@ def _copy(dst, src, n, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@tdl.jit
+def push_chunks_kernel(ctx, src, src_stride, part_len, limit, dst, ready, chunk, n_chunks,
+                       ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
+                       BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """The pushes by SMs: for every peer ``p`` and chunk ``k``, elements ``[k * chunk, (k + 1)
+    * chunk)`` of ``p``'s part (``src + p * src_stride``, ``min(part_len, limit - p *
+    src_stride)`` elements, at least 0) go to symmetric ``dst`` on ``p``, then ``p``'s flag
+    ``ready + ME * KMAX + k`` is raised. One program per (chunk, peer) item, chunk-major, so
+    every peer's first chunks land first."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    src_stride = tl.multiple_of(src_stride, ALIGN)
+    chunk = tl.multiple_of(chunk, ALIGN)
+    for item in range(pid, (WORLD - 1) * n_chunks, nprog):
+        k = item // (WORLD - 1)
+        peer = (ME + item % (WORLD - 1) + 1) % WORLD
+        length = tl.maximum(tl.minimum(part_len, limit - peer * src_stride), 0)
+        count = tl.maximum(tl.minimum(chunk, length - k * chunk), 0)
+        remote = tdl.symm_at(ctx, dst, peer) + k * chunk
+        local = src + peer * src_stride + k * chunk
+        for start in range(0, count, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < count
+            tl.store(remote + offs, tl.load(local + offs, mask=mask), mask=mask)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release below
+        tdl.notify(ctx, ready + ME * KMAX + k, peer, 1)
 
 
 @tdl.jit
