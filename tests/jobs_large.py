@@ -93,3 +93,16 @@ def bulk_path(rank, ws, n, dtype_name, seed):
     after = torch_tdist.stats()
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
+
+
+def bulk_mismatched_then_refused(rank, ws):
+    """Rank 0 gathers 100 elements, the others 200, on the bulk path; then every rank calls
+    again. Returns what each call raised (type and message)."""
+    outcomes = []
+    for n in (100 if rank == 0 else 200, 8):
+        try:
+            dist.all_gather_into_tensor(torch.empty(ws * n), torch.randn(n))
+            outcomes.append(("returned", ""))
+        except Exception as err:  # noqa: BLE001  (the test inspects it)
+            outcomes.append((type(err).__name__, str(err)))
+    return outcomes

@@ -59,3 +59,13 @@ def test_bulk_path(bulk_pool, n, dtype, seed):
 @ws_param([2])
 def test_every_op_in_rounds_on_bulk_path(bulk_pool, seed):
     bulk_pool.run(J.every_op_in_rounds, 5001, "float32", seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3])
+def test_bulk_calls_that_differ_across_ranks_raise_on_every_rank(world_size):
+    # its own pool: the group stops after the error (the peers' flags are out of step)
+    pool = _pool(world_size, "128K", TDIST_ALGORITHM="bulk")
+    for rank, (first, second) in enumerate(pool.run(J.bulk_mismatched_then_refused, timeout=60)):
+        assert "different call" in first[1] and "all_gather_into_tensor" in first[1], f"rank {rank}: {first}"
+        assert "stopped" in second[1], f"rank {rank}: the next call was not refused: {second}"

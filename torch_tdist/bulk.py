@@ -75,6 +75,7 @@ class BulkPath:
         self._flags = heap.view(offset, (world + 2 * world * KMAX,), torch.int64)
         self._data = {}
         self._streams = Streams(heap.device)
+        self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = os.environ.get("TDIST_BULK_PUSH", "copy_engine").lower()
         if self.pusher not in PUSHERS:
             raise ValueError(f"tdist: TDIST_BULK_PUSH={self.pusher!r}; expected one of {', '.join(PUSHERS)}")
@@ -95,16 +96,19 @@ class BulkPath:
         return self.world + (flag_set * self.world + sender) * KMAX + k
 
     # ---- steps --------------------------------------------------------------------------
-    def _start_barrier(self, op: str):
-        """Every peer has finished its previous call (on the main stream; then the call's side
-        streams are ordered after it)."""
+    def _start_barrier(self, op: str, signature: int):
+        """Every peer has finished its previous call and makes this one (the same
+        ``signature``: op, dtype, count, chunks); on the main stream, then the call's side
+        streams are ordered after it. From here until the call returns, the group's flags are
+        in flight (``in_flight``)."""
+        self.in_flight = True
         streams = self._streams
         streams.begin(self.world - 1)
         for p in self._peers():
-            streams.write(0, self._flag_address(p, self.rank), 1)
+            streams.write(0, self._flag_address(p, self.rank), signature)
         for p in self._peers():
-            streams.wait_at_least(0, self._flag_address(self.rank, p), 1, self.heap.timeout_s,
-                                  f"{op}: rank {p} to start")
+            streams.wait_equal(0, self._flag_address(self.rank, p), signature, self.heap.timeout_s,
+                               f"{op}: rank {p} to start the same call")
         streams.zero(0, self._flags[:self.world])
         streams.fork(self.world - 1)
 
@@ -115,6 +119,8 @@ class BulkPath:
         chunk, raising ``p``'s ready flag of each of the ``n_chunks`` chunks (empty ones too);
         all peers at once, off the main stream."""
         peers = self._peers()
+        if not peers:
+            return
         if self.pusher == "sm":
             dtype = src.dtype
             self._streams.fork(1)
@@ -139,6 +145,12 @@ class BulkPath:
     def _done_with(self, flag_set: int):
         first = self._ready_index(flag_set, 0, 0)
         self._streams.zero(0, self._flags[first:first + self.world * KMAX])
+
+    @staticmethod
+    def _signature(call_word: int, count: int, n_chunks: int) -> int:
+        """What a call writes into its peers' start flags: ``call_word`` (op | dtype << 8, from
+        the executor), the chunks per slot and the element count. Never 0."""
+        return call_word | n_chunks << 16 | count << 24
 
     def _peers(self):
         """Peers in the order this rank pushes to them (rotated, so peers do not all start on
@@ -183,33 +195,35 @@ class BulkPath:
         self._done_with(flag_set)
 
     # ---- the algorithms -----------------------------------------------------------------
-    def all_gather(self, op: str, out: torch.Tensor, src: torch.Tensor):
+    def all_gather(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor):
         """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
         n, me, dtype = src.numel(), self.rank, src.dtype
         capacity = self._slot_length(dtype, self.world)
         for start in range(0, n, capacity):
             length = min(capacity, n - start)
             chunk, n_chunks = self._chunking(dtype, length)
-            self._start_barrier(op)
+            self._start_barrier(op, self._signature(call_word, n, n_chunks))
             self._push(op, 0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._gather(op, src[start:], self._slots(dtype), length, 0, out[start:], n, length,
                          self.world * n, chunk, n_chunks, offsets=(start, length, n))
             self._streams.join(self.world - 1)
+        self.in_flight = False
 
-    def reduce_scatter(self, op: str, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
+    def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""
         n, me, dtype = out.numel(), self.rank, src.dtype
         capacity = self._slot_length(dtype, self.world)
         for start in range(0, n, capacity):
             length = min(capacity, n - start)
             chunk, n_chunks = self._chunking(dtype, length)
-            self._start_barrier(op)
+            self._start_barrier(op, self._signature(call_word, n, n_chunks))
             self._push(op, 0, src[start:], n, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._reduce(op, src[me * n + start:], self._slots(dtype), length, 0, out[start:], length,
                          chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
             self._streams.join(self.world - 1)
+        self.in_flight = False
 
-    def all_reduce(self, op: str, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
+    def all_reduce(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, may be ``src``) = OP over ranks of their flat ``src``: a reduce_scatter
         into this rank's reduced slot, then an all_gather of the reduced slots."""
         n, me, world, dtype = src.numel(), self.rank, self.world, src.dtype
@@ -222,7 +236,7 @@ class BulkPath:
             lo, hi = start + min(me * part, piece), start + min((me + 1) * part, piece)
             mine = self._slots(dtype)
             reduced = mine[2 * world * part:2 * world * part + part]
-            self._start_barrier(op)
+            self._start_barrier(op, self._signature(call_word, n, n_chunks))
             self._push(op, 0, src[start:], part, part, piece, me * part, chunk, n_chunks)
             self._reduce(op, src[lo:], mine, part, 0, reduced, hi - lo, chunk, n_chunks, reduce_op,
                          offsets=(lo, part))
@@ -231,3 +245,4 @@ class BulkPath:
             self._gather(op, reduced, mine[world * part:], part, 1, out[start:], part, part, piece,
                          chunk, n_chunks, offsets=(start, part))
             self._streams.join(world - 1)
+        self.in_flight = False

@@ -276,6 +276,20 @@ class Executor:
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
+    def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
+        """``method(op, call word, out, src, *args)`` of the bulk path. It is copies and stream
+        signals besides its launches, so C++ never replays it; one that fails after its start
+        barrier leaves flags behind on its peers, so the group stops."""
+        self._replayable = False
+        with self._peer_timeouts(op):
+            try:
+                method(op, _CALL_CODE[op] | _DTYPE_CODE[src.dtype] << 8, out, src, *args)
+            except Exception as err:
+                if self._bulk.in_flight:
+                    self._bulk.in_flight = False
+                    self._stopped = f"{op} failed part-way ({type(err).__name__})"
+                raise
+
     def _takes_bulk(self, op: str, nbytes: int) -> bool:
         if self.algorithm != "auto":
             return self.algorithm == "bulk"
@@ -290,7 +304,7 @@ class Executor:
     def _launch(self, op: str, kernel, grid, *args, **meta):
         with self._peer_timeouts(op):
             compiled = kernel[grid](*args, **meta)
-            if not language.INTERPRET:
+            if not language.INTERPRET and self._replayable:
                 self._launched.append((kernel, compiled, grid, args, meta))
 
     @contextlib.contextmanager
@@ -385,9 +399,7 @@ class Executor:
         out = _Output(targets)
         n = src.numel()
         if self._takes_bulk("all_gather", src.numel() * src.element_size()):
-            self._replayable = False  # copies and stream signals besides its one launch
-            with self._peer_timeouts(op):
-                self._bulk.all_gather(op, out.flat, src)
+            self._bulk_call(op, self._bulk.all_gather, out.flat, src)
         else:
             for start, length in self._slot_rounds(n, src.dtype):
                 self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
@@ -406,9 +418,7 @@ class Executor:
         out = _Output([output])
         n = output.numel()
         if self._takes_bulk("reduce_scatter", src.numel() * src.element_size()):
-            self._replayable = False
-            with self._peer_timeouts(name):
-                self._bulk.reduce_scatter(name, out.flat, src, reduce_op)
+            self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
         else:
             for start, length in self._slot_rounds(n, src.dtype):
                 self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length,
@@ -428,9 +438,7 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             if self._takes_bulk("all_reduce", src.numel() * src.element_size()):
-                self._replayable = False
-                with self._peer_timeouts(name):
-                    self._bulk.all_reduce(name, out.flat, src, reduce_op)
+                self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
             else:
                 for start, length in self._slot_rounds(src.numel(), src.dtype):
                     self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,

@@ -341,13 +341,13 @@ class SymmetricHeap:
         try:
             store.set(f"{key}/handle/{self.rank}", own.handle)
             store.wait([f"{key}/handle/{peer}" for peer in range(self.world_size)], timeout)
-            segments = [
-                own if peer == self.rank else
-                segment_type.open(store.get(f"{key}/handle/{peer}"), self.nbytes, self.device)
-                for peer in range(self.world_size)
-            ]
+            handles = [store.get(f"{key}/handle/{peer}") for peer in range(self.world_size)]
+            segments = [own if peer == self.rank else segment_type.open(handle, self.nbytes, self.device)
+                        for peer, handle in enumerate(handles)]
             store.set(f"{key}/mapped/{self.rank}", "1")
             store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)], timeout)
+            for handle in handles:  # every peer mapped them: the first rank here removes the names
+                segment_type.forget(handle)
         except BaseException:
             # A peer that died between creating its segment and every peer mapping it never
             # removed its segment's name: the ranks still here remove every name they know.

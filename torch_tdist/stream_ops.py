@@ -41,7 +41,9 @@ class Streams:
         cu = _driver()
         self._main = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         while len(self._side) < sides:
-            stream = torch.cuda.Stream(self.device)
+            # high priority, like the group's stream: a push kernel here must get SMs while
+            # the group's receiving kernel spins
+            stream = torch.cuda.Stream(self.device, priority=-1)
             event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             self._side.append((stream, cu.CUstream(stream.cuda_stream), event))
         if self._main_event is None:
@@ -100,21 +102,27 @@ class Streams:
         cu = _driver()
         _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
 
-    def wait_at_least(self, stream: int, address: int, value: int, timeout_s: float, what: str):
-        """Hold ``stream`` until the int64 at ``address`` is ``value`` or more."""
+    def wait_equal(self, stream: int, address: int, value: int, timeout_s: float, what: str):
+        """Hold ``stream`` until the int64 at ``address`` is ``value``. On the CPU another
+        nonzero value raises a ValueError (a peer made a different call); on GPUs the stream
+        waits on (GPU waits have no timeout yet)."""
         if self.on_cpu:
             slot = ctypes.c_int64.from_address(address)
             deadline, pause = time.monotonic() + timeout_s, 0.0
-            while slot.value < value:
+            while slot.value == 0:
                 if time.monotonic() > deadline:
                     raise PeerTimeoutError(f"tdist: no signal from a peer after {timeout_s:.1f} s "
                                            f"(waited for {what})")
                 time.sleep(pause)
                 pause = min(pause * 2 + 1e-5, 1e-3)
+            if slot.value != value:
+                raise ValueError(f"tdist: waited for {what}, but it made a different call (another "
+                                 f"collective, dtype or element count; signature {slot.value:#x}, "
+                                 f"this rank's {value:#x})")
             return
         cu = _driver()
         _check(cu.cuStreamWaitValue64(self._handle(stream), address, value,
-                                      cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                                      cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
                "cuStreamWaitValue64")
 
 

@@ -36,8 +36,8 @@ def push_chunks_kernel(ctx, src, src_stride, part_len, limit, dst, ready, chunk,
     every peer's first chunks land first."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    src_stride = tl.multiple_of(src_stride, ALIGN)
-    chunk = tl.multiple_of(chunk, ALIGN)
+    src_stride = tl.multiple_of(src_stride.to(tl.int64), ALIGN)  # (int64: peer * stride may pass 2**31)
+    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
     for item in range(pid, (WORLD - 1) * n_chunks, nprog):
         k = item // (WORLD - 1)
         peer = (ME + item % (WORLD - 1) + 1) % WORLD
@@ -59,9 +59,9 @@ def gather_chunks_kernel(ctx, own, slots, slot_stride, ready, out, part_stride, 
                          BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """``out + s * part_stride`` gets rank ``s``'s part (``own`` for this rank), of
     ``min(part_len, limit - s * part_stride)`` elements (at least 0)."""
-    slot_stride = tl.multiple_of(slot_stride, ALIGN)
-    part_stride = tl.multiple_of(part_stride, ALIGN)
-    chunk = tl.multiple_of(chunk, ALIGN)
+    slot_stride = tl.multiple_of(slot_stride.to(tl.int64), ALIGN)  # (int64: s * stride may pass 2**31)
+    part_stride = tl.multiple_of(part_stride.to(tl.int64), ALIGN)
+    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
     mine = tl.maximum(tl.minimum(part_len, limit - ME * part_stride), 0)
     _copy(out + ME * part_stride, own, mine, BLOCK)
     for k in range(n_chunks):
@@ -82,8 +82,8 @@ def reduce_chunks_kernel(ctx, own, slots, slot_stride, ready, dst, n, chunk, n_c
     ``own``. Every rank combines in the same order, so results are bit-identical across ranks."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    slot_stride = tl.multiple_of(slot_stride, ALIGN)
-    chunk = tl.multiple_of(chunk, ALIGN)
+    slot_stride = tl.multiple_of(slot_stride.to(tl.int64), ALIGN)  # (int64: s * stride may pass 2**31)
+    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
     for k in range(n_chunks):
         for i in tl.static_range(1, WORLD):
             tdl.wait(ctx, ready + ((ME + i) % WORLD) * KMAX + k, 1)
