@@ -23,8 +23,6 @@ replay. The area is not the one-shot mailboxes: a one-shot call right after a bu
 write where a slower peer still reads.
 """
 
-import os
-
 import torch
 
 from . import language
@@ -58,9 +56,10 @@ def aligned(dtype: torch.dtype, offsets) -> bool:
 class BulkPath:
     """The bulk algorithms of one group over ``heap`` bytes ``[offset, offset + nbytes)``.
     ``launch(op, kernel, grid, *args, **meta)`` launches a kernel as the executor does;
-    ``accumulator(dtype)`` is the type reductions of ``dtype`` accumulate in."""
+    ``accumulator(dtype)`` is the type reductions of ``dtype`` accumulate in; ``pusher`` one of
+    PUSHERS."""
 
-    def __init__(self, heap, offset: int, nbytes: int, launch, accumulator):
+    def __init__(self, heap, offset: int, nbytes: int, launch, accumulator, pusher: str = "copy_engine"):
         world = heap.world_size
         self.heap, self.rank, self.world = heap, heap.rank, world
         self.device = heap.device
@@ -76,9 +75,7 @@ class BulkPath:
         self._data = {}
         self._streams = Streams(heap.device)
         self.in_flight = False  # a call passed its start barrier and has not returned
-        self.pusher = os.environ.get("TDIST_BULK_PUSH", "copy_engine").lower()
-        if self.pusher not in PUSHERS:
-            raise ValueError(f"tdist: TDIST_BULK_PUSH={self.pusher!r}; expected one of {', '.join(PUSHERS)}")
+        self.pusher = pusher
 
     # ---- heap addresses -----------------------------------------------------------------
     def _slots(self, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import triton.language as tl
 
 from . import language
-from .bulk import BulkPath
+from .bulk import PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
@@ -125,6 +125,10 @@ class Executor:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"tdist: TDIST_ALGORITHM={self.algorithm!r}; expected one of "
                              f"{', '.join(ALGORITHMS)}")
+        self.bulk_pusher = os.environ.get("TDIST_BULK_PUSH", "copy_engine").lower()
+        if self.bulk_pusher not in PUSHERS:
+            raise ValueError(f"tdist: TDIST_BULK_PUSH={self.bulk_pusher!r}; expected one of "
+                             f"{', '.join(PUSHERS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
         self.gpu_size_limits = GPU_SIZE_LIMITS if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
@@ -154,7 +158,7 @@ class Executor:
         self._box_offset = heap.alloc(2 * world * self._slot_bytes)
         bulk_bytes = nbytes // 4 // 256 * 256
         self._bulk = BulkPath(heap, heap.alloc(bulk_bytes), bulk_bytes, self._launch,
-                              lambda dtype: _ACCUMULATOR.get(dtype, tl.float32))
+                              lambda dtype: _ACCUMULATOR.get(dtype, tl.float32), self.bulk_pusher)
         self._stage_bytes = nbytes // 4
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
