@@ -2,7 +2,8 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|bench|soak|moe|all]   (all: demo, test, bench, moe)
+#   bash benchmarks/device_run.sh [demo|test|bench|soak|moe|badinput|all]   (all: demo, test, bench, moe)
+# badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
@@ -24,6 +25,12 @@ if [ "$what" = test ] || [ "$what" = all ]; then
 fi
 if [ "$what" = soak ]; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1
+fi
+if [ "$what" = badinput ]; then
+  preload="${TMPDIR:-/tmp}/tdist_segv_backtrace.so"
+  gcc -shared -fPIC -o "$preload" tests/native/segv_backtrace.c || rc=1
+  LD_PRELOAD="$preload" TDIST_TRANSPORT=cuda timeout 300 python3 -m torch.distributed.run \
+    --nproc-per-node 2 -m tests.gpu_bad_input 2>&1 | tee "$OUT/bad_input.log" || rc=1
 fi
 if [ "$what" = moe ] || [ "$what" = all ]; then
   timeout 300 python3 -m torch_tdist.examples.moe_all_to_all --nproc "$nproc" --tokens 128 --hidden 7168 \

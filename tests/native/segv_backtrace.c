@@ -3,6 +3,7 @@
  *
  *   gcc -shared -fPIC -o /tmp/segv_backtrace.so tests/native/segv_backtrace.c
  *   LD_PRELOAD=/tmp/segv_backtrace.so python3 ...
+ * (bash benchmarks/device_run.sh badinput does this for the CUDA bad-input matrix.)
  */
 #include <execinfo.h>
 #include <signal.h>
