@@ -223,26 +223,33 @@ def _captured(calls, warmups):
 
 
 def graph_replay(tg, rank, world, device, gen):
-    n = 65536
+    _graph_replays(tg, "", 65536, 4096, torch.bfloat16, 100, warmups=3, device=device, gen=gen)
+
+
+def _graph_replays(group, label, n, ag_n, ag_dtype, replays, warmups, device, gen):
+    """A CUDA graph of an all_reduce (``n`` fp32) and an all_gather (``ag_n`` of ``ag_dtype``)
+    on ``group``, replayed on fresh inputs, each replay against NCCL. The warm-ups compile the
+    kernels and record the launch plans before the capture."""
+    world = dist.get_world_size()
     static_x = torch.zeros(n, device=device)
-    static_ag_in = torch.zeros(4096, device=device, dtype=torch.bfloat16)
-    static_ag = torch.zeros(4096 * world, device=device, dtype=torch.bfloat16)
+    static_ag_in = torch.zeros(ag_n, device=device, dtype=ag_dtype)
+    static_ag = torch.zeros(ag_n * world, device=device, dtype=ag_dtype)
 
     def calls():
-        dist.all_reduce(static_x, group=tg)
-        dist.all_gather_into_tensor(static_ag, static_ag_in, group=tg)
-    graph = _captured(calls, warmups=3)  # warm-ups: kernels compiled, launch plans recorded
-    for i in range(100):
+        dist.all_reduce(static_x, group=group)
+        dist.all_gather_into_tensor(static_ag, static_ag_in, group=group)
+    graph = _captured(calls, warmups)
+    for i in range(replays):
         x = torch.randn(n, device=device, generator=gen)
-        y = torch.randn(4096, device=device, generator=gen).to(torch.bfloat16)
+        y = torch.randn(ag_n, device=device, generator=gen).to(ag_dtype)
         static_x.copy_(x)
         static_ag_in.copy_(y)
         graph.replay()
         want_x, want_ag = x.clone(), torch.empty_like(static_ag)
         dist.all_reduce(want_x)
         dist.all_gather_into_tensor(want_ag, y)
-        _check(f"graph replay {i} all_reduce", static_x, want_x)
-        _check(f"graph replay {i} all_gather", static_ag, want_ag)
+        _check(f"{label}graph replay {i} all_reduce", static_x, want_x)
+        _check(f"{label}graph replay {i} all_gather", static_ag, want_ag)
 
 
 def bulk_path(tg, rank, world, device, gen):
@@ -261,7 +268,8 @@ def bulk_path(tg, rank, world, device, gen):
         bulk.CHUNK_BYTES[pusher] = 1 << 20
         _bulk_calls(bg, pusher, world, device, gen)
         bulk.CHUNK_BYTES[pusher] = chunk_bytes
-        _bulk_graph_replays(bg, pusher, world, device, gen)
+        n = (2 << 20) + 3
+        _graph_replays(bg, f"bulk {pusher} ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
 
 
 def _bulk_calls(bg, pusher, world, device, gen):
@@ -289,26 +297,6 @@ def _bulk_calls(bg, pusher, world, device, gen):
                     dist.all_reduce(t, op=REDUCE_OPS[name], group=g)
                     return t
                 _check(f"bulk all_reduce {name} {tag}", *_pair(reduce_all, bg))
-
-
-def _bulk_graph_replays(bg, pusher, world, device, gen):
-    n = (2 << 20) + 3
-    static_x = torch.zeros(n, device=device)
-    static_ag = torch.zeros(n * world, device=device)
-
-    def calls():
-        dist.all_reduce(static_x, group=bg)
-        dist.all_gather_into_tensor(static_ag, static_x, group=bg)
-    graph = _captured(calls, warmups=1)
-    for i in range(20):
-        x = torch.randn(n, device=device, generator=gen)
-        static_x.copy_(x)
-        graph.replay()
-        want_x, want_ag = x.clone(), torch.empty_like(static_ag)
-        dist.all_reduce(want_x)
-        dist.all_gather_into_tensor(want_ag, want_x)
-        _check(f"bulk {pusher} graph replay {i} all_reduce", static_x, want_x)
-        _check(f"bulk {pusher} graph replay {i} all_gather", static_ag, want_ag)
 
 
 def served_by_tdist(tg, rank, world, device, gen):

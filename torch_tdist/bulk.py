@@ -192,33 +192,34 @@ class BulkPath:
         self._done_with(flag_set)
 
     # ---- the algorithms -----------------------------------------------------------------
-    def all_gather(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor):
-        """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
-        n, me, dtype = src.numel(), self.rank, src.dtype
+    def _slot_rounds(self, op: str, call_word: int, n: int, dtype: torch.dtype):
+        """all_gather's and reduce_scatter's rounds: ``(start, length, chunk, n_chunks)`` for
+        each piece of the ``n`` elements per rank that fits one slot per rank, yielded once its
+        start barrier is passed; the side streams are joined after each."""
         capacity = self._slot_length(dtype, self.world)
         for start in range(0, n, capacity):
             length = min(capacity, n - start)
             chunk, n_chunks = self._chunking(dtype, length)
             self._start_barrier(op, self._signature(call_word, n, n_chunks))
-            self._push(op, 0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
-            self._gather(op, src[start:], self._slots(dtype), length, 0, out[start:], n, length,
-                         self.world * n, chunk, n_chunks, offsets=(start, length, n))
+            yield start, length, chunk, n_chunks
             self._streams.join(self.world - 1)
         self.in_flight = False
 
+    def all_gather(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor):
+        """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
+        n, me = src.numel(), self.rank
+        for start, length, chunk, n_chunks in self._slot_rounds(op, call_word, n, src.dtype):
+            self._push(op, 0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
+            self._gather(op, src[start:], self._slots(src.dtype), length, 0, out[start:], n, length,
+                         self.world * n, chunk, n_chunks, offsets=(start, length, n))
+
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""
-        n, me, dtype = out.numel(), self.rank, src.dtype
-        capacity = self._slot_length(dtype, self.world)
-        for start in range(0, n, capacity):
-            length = min(capacity, n - start)
-            chunk, n_chunks = self._chunking(dtype, length)
-            self._start_barrier(op, self._signature(call_word, n, n_chunks))
+        n, me = out.numel(), self.rank
+        for start, length, chunk, n_chunks in self._slot_rounds(op, call_word, n, src.dtype):
             self._push(op, 0, src[start:], n, length, NO_LIMIT, me * length, chunk, n_chunks)
-            self._reduce(op, src[me * n + start:], self._slots(dtype), length, 0, out[start:], length,
-                         chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
-            self._streams.join(self.world - 1)
-        self.in_flight = False
+            self._reduce(op, src[me * n + start:], self._slots(src.dtype), length, 0, out[start:],
+                         length, chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
 
     def all_reduce(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, may be ``src``) = OP over ranks of their flat ``src``: a reduce_scatter

@@ -5,7 +5,7 @@ hands each served op to an :class:`Executor` method of the same name as torch.di
 function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barrier are one
 launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
 mailbox slot); large all_gathers, reduce_scatters and all_reduces take the bulk path instead
-(``bulk.py``: copies between heaps, on GPUs by the copy engines); reduce, scatter and gather
+(``bulk.py``: chunked pushes between heaps, see BULK_FROM_BYTES); reduce, scatter and gather
 are the publish/pull pair of ``triton_kernels/staged.py``.
 """
 

@@ -145,6 +145,23 @@ def notify_add(ctx, sig, peer, value):
     tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
 
 
+def poll_until(read, satisfied, timeout_s: float, wanted: str) -> int:
+    """Calls ``read()`` (an int from a signal slot), sleeping between polls (ranks share few
+    cores), until ``satisfied`` of it; returns it. Gives up after ``timeout_s`` with a
+    PeerTimeoutError. The host-side wait of every signal on the CPU."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
+    while True:
+        seen = read()
+        if satisfied(seen):
+            return seen
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(f"tdist: no signal from a peer after {timeout_s:.1f} s "
+                                   f"(waited for {wanted}, saw {seen})")
+        time.sleep(pause)
+        pause = min(pause * 2 + 1e-5, 1e-3)
+
+
 if INTERPRET:
 
     @jit
@@ -171,21 +188,15 @@ if INTERPRET:
         return spin_until(sig, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}")
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str):
-        """Polls the int64 slot ``sig`` (acquire), sleeping between polls (ranks share few
-        cores), until ``satisfied(value)``; returns the value as read. Gives up after
-        ``timeout_s`` with a PeerTimeoutError."""
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0
-        while True:
-            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-            if satisfied(host_int(seen)):
-                return seen
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(
-                    f"tdist: no signal from a peer after {timeout_s:.1f} s "
-                    f"(waited for {wanted}, saw {host_int(seen)})")
-            time.sleep(pause)
-            pause = min(pause * 2 + 1e-5, 1e-3)
+        """Polls the int64 slot ``sig`` (acquire) until ``satisfied(value)`` (see
+        :func:`poll_until`); returns the value as read."""
+        last = []
+
+        def read():
+            last[:] = [tl.atomic_add(sig, 0, sem="acquire", scope="sys")]
+            return host_int(last[0])
+        poll_until(read, satisfied, timeout_s, wanted)
+        return last[0]
 
 else:
 

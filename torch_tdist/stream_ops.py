@@ -10,11 +10,10 @@ calling thread: stores, spins that give up after the group's timeout, and torch 
 
 import contextlib
 import ctypes
-import time
 
 import torch
 
-from .language import PeerTimeoutError
+from .language import poll_until
 
 
 class Streams:
@@ -108,16 +107,10 @@ class Streams:
         waits on (GPU waits have no timeout yet)."""
         if self.on_cpu:
             slot = ctypes.c_int64.from_address(address)
-            deadline, pause = time.monotonic() + timeout_s, 0.0
-            while slot.value == 0:
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(f"tdist: no signal from a peer after {timeout_s:.1f} s "
-                                           f"(waited for {what})")
-                time.sleep(pause)
-                pause = min(pause * 2 + 1e-5, 1e-3)
-            if slot.value != value:
+            seen = poll_until(lambda: slot.value, lambda v: v != 0, timeout_s, what)
+            if seen != value:
                 raise ValueError(f"tdist: waited for {what}, but it made a different call (another "
-                                 f"collective, dtype or element count; signature {slot.value:#x}, "
+                                 f"collective, dtype or element count; signature {seen:#x}, "
                                  f"this rank's {value:#x})")
             return
         cu = _driver()
