@@ -12,6 +12,7 @@ found (CUDA_HOME); set TDIST_NO_CUDA=1 to build the CPU part only.
 
 import glob
 import os
+import subprocess
 
 from setuptools import setup
 
@@ -23,6 +24,34 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # (C++17 for older torch, C++20 from torch 2.10). The sources are C++17.
 CXX_FLAGS = ["-O2"]
 NVCC_FLAGS = ["-O2"]
+
+
+def _libstdcxx_link_args():
+    """Make the extension use the shared libstdc++ that torch already loaded.
+
+    Some images ship a compiler (for Triton and Inductor) with only libstdc++.a. An extension
+    linked against it carries a second, private libstdc++ whose symbols mix with the process's
+    shared one at load time; the first C++ exception message built with a stream then crashes.
+    When the compiler cannot find libstdc++.so itself, point it at the loaded one.
+    """
+    cxx = os.environ.get("CXX", "c++").split()
+    try:
+        found = subprocess.run(cxx + ["-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return []
+    if os.path.isabs(found):
+        return []
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    if not loaded:
+        return []
+    link_dir = os.path.join(ROOT, "build", "shared-libstdcxx")
+    os.makedirs(link_dir, exist_ok=True)
+    link = os.path.join(link_dir, "libstdc++.so")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(loaded[0], link)
+    return [f"-L{link_dir}"]
 
 
 def _sources(pattern):
@@ -49,11 +78,13 @@ def _extension():
             sources,
             define_macros=[("TDIST_WITH_CUDA", "1")],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+            extra_link_args=_libstdcxx_link_args(),
         )
     return cpp_extension.CppExtension(
         "torch_tdist._C",
         sources,
         extra_compile_args={"cxx": CXX_FLAGS},
+        extra_link_args=_libstdcxx_link_args(),
     )
 
 

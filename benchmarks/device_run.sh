@@ -21,7 +21,7 @@ if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if [ "$what" = test ] || [ "$what" = all ]; then
-  timeout 900 python3 -m pytest -m gpu tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = soak ]; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1
@@ -29,7 +29,7 @@ fi
 if [ "$what" = badinput ]; then
   preload="${TMPDIR:-/tmp}/tdist_segv_backtrace.so"
   gcc -shared -fPIC -o "$preload" tests/native/segv_backtrace.c || rc=1
-  LD_PRELOAD="$preload" TDIST_TRANSPORT=cuda timeout 300 python3 -m torch.distributed.run \
+  LD_PRELOAD="$preload" TDIST_TRANSPORT=cuda timeout 300 python3 -m torch.distributed.run --standalone \
     --nproc-per-node 2 -m tests.gpu_bad_input 2>&1 | tee "$OUT/bad_input.log" || rc=1
 fi
 if [ "$what" = moe ] || [ "$what" = all ]; then
@@ -37,7 +37,7 @@ if [ "$what" = moe ] || [ "$what" = all ]; then
     --topk 8 --experts-per-rank 8 --steps 10 2>&1 | tee "$OUT/moe.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --nproc-per-node "$nproc" \
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 exit $rc

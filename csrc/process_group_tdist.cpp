@@ -620,6 +620,9 @@ void ProcessGroupTDist::checkDevice(
     const char* what) const {
   auto type = t.device().type();
   if (std::find(devices_.begin(), devices_.end(), type) != devices_.end()) {
+    if (type == c10::kCUDA) {
+      checkGpu(op, t, what);
+    }
     return;
   }
   std::vector<std::string> names;
@@ -634,6 +637,25 @@ void ProcessGroupTDist::checkDevice(
       deviceTypeName(type),
       ", but this group serves ",
       c10::Join(", ", names));
+}
+
+// One GPU per rank and group, as with NCCL: the first CUDA tensor picks it. Checked before any
+// stream or event is touched, so a tensor on another GPU gets this error, not an event's.
+void ProcessGroupTDist::checkGpu(Op op, const at::Tensor& t, const char* what)
+    const {
+  auto index = t.device().index();
+  if (gpuIndex_ < 0) {
+    gpuIndex_ = index;
+  }
+  TORCH_CHECK_VALUE(
+      index == gpuIndex_,
+      prefix(op),
+      what,
+      " is on cuda:",
+      static_cast<int>(index),
+      ", but this group runs on cuda:",
+      static_cast<int>(gpuIndex_),
+      " (one GPU per rank and group)");
 }
 
 void ProcessGroupTDist::checkRoot(Op op, int64_t root, const char* what)

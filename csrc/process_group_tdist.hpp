@@ -254,6 +254,7 @@ class ProcessGroupTDist : public c10d::Backend {
 
   // Validation; every failure names the op.
   void checkDevice(Op op, const at::Tensor& t, const char* what) const;
+  void checkGpu(Op op, const at::Tensor& t, const char* what) const;
   void checkRoot(Op op, int64_t root, const char* what) const;
   std::vector<at::Tensor> rootList(
       Op op,
@@ -329,6 +330,7 @@ class ProcessGroupTDist : public c10d::Backend {
   std::vector<c10::DeviceType> devices_;
 
   std::array<int64_t, kNumOps> gpuMaxBytes_;
+  mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();

@@ -53,22 +53,21 @@ def specialisations():
             for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):
                 common = {"ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
                           "ready": "*i64"}
-                yield bulk.reduce_chunks_kernel, {
-                    **common, "dst": f"*{dt}", "n": "i64", "chunk": "i64", "n_chunks": "i64",
-                    "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
-                    "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr"}, {
-                        "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align, "OP": op,
-                        "ACC": ACC[dt]}
-                yield bulk.push_chunks_kernel, {
-                    "ctx": "*i64", "src": f"*{dt}", "src_stride": "i64", "part_len": "i64", "limit": "i64",
-                    "dst": f"*{dt}", "ready": "*i64", "chunk": "i64", "n_chunks": "i64",
-                    "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
-                    "ALIGN": "constexpr"}, {"ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align}
-                yield bulk.gather_chunks_kernel, {
-                    **common, "out": f"*{dt}", "part_stride": "i64", "part_len": "i64", "limit": "i64",
-                    "chunk": "i64", "n_chunks": "i64", "ME": "constexpr", "WORLD": "constexpr",
-                    "KMAX": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr"}, {
-                        "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align}
+                pushes = {"push_src": f"*{dt}", "push_stride": "i64", "push_len": "i64", "push_limit": "i64"}
+                for pushers in (0, 64):
+                    yield bulk.reduce_chunks_kernel, {
+                        **common, "dst": f"*{dt}", "n": "i64", "chunk": "i64", "n_chunks": "i64", **pushes,
+                        "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
+                        "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr", "PUSHERS": "constexpr"}, {
+                            "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align, "OP": op,
+                            "ACC": ACC[dt], "PUSHERS": pushers}
+                    yield bulk.gather_chunks_kernel, {
+                        **common, "out": f"*{dt}", "part_stride": "i64", "part_len": "i64", "limit": "i64",
+                        "chunk": "i64", "n_chunks": "i64", **pushes, "ME": "constexpr", "WORLD": "constexpr",
+                        "KMAX": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr",
+                        "PUSHERS": "constexpr"}, {
+                            "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align,
+                            "PUSHERS": pushers}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):

@@ -10,6 +10,7 @@ non-zero if any failed.
 """
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 SIZES = (1001, 65536)  # elements per rank: odd (unaligned), and several programs' worth
 ALL_REDUCE_OPS_FOR = (torch.float32, torch.bfloat16)  # other dtypes: sum only (compile time)
 REPEATS = 3
+CHECK_TIMEOUT_S = float(os.environ.get("TDIST_CHECK_TIMEOUT", "240"))  # per check; see main()
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
               "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
@@ -268,8 +270,15 @@ def bulk_path(tg, rank, world, device, gen):
         bulk.CHUNK_BYTES[pusher] = 1 << 20
         _bulk_calls(bg, pusher, world, device, gen)
         bulk.CHUNK_BYTES[pusher] = chunk_bytes
+        _progress(rank, f"bulk_path: {pusher} calls done")
         n = (2 << 20) + 3
         _graph_replays(bg, f"bulk {pusher} ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
+        _progress(rank, f"bulk_path: {pusher} graph replays done")
+
+
+def _progress(rank, what):
+    torch.cuda.synchronize()
+    print(f"rank {rank}: {what}", flush=True)
 
 
 def _bulk_calls(bg, pusher, world, device, gen):
@@ -424,8 +433,12 @@ def main():
         if wanted and check.__name__ not in wanted:
             continue
         before, start = len(_failures), time.perf_counter()
+        # A check that hangs (a kernel waiting for a flag that never comes) prints every thread's
+        # stack and ends the run, rather than using up the device call's time.
+        faulthandler.dump_traceback_later(CHECK_TIMEOUT_S, exit=True)
         check(tg, rank, world, device, gen)
         torch.cuda.synchronize()
+        faulthandler.cancel_dump_traceback_later()
         status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"
         print(f"rank {rank}: {check.__name__:<20} {status}  {time.perf_counter() - start:6.1f} s", flush=True)
     for line in _failures[:20]:

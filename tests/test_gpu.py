@@ -36,12 +36,11 @@ def test_gpu_checks_against_nccl(run):
         pytest.skip(f"needs {nproc} GPUs, this machine has {torch.cuda.device_count()}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": transport}
+    # Output streams to the terminal (run with -s), so a hang shows where it stopped.
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-         "-m", "tests.gpu_checks"] + extra,
-        cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    print(proc.stdout[-20000:], proc.stderr[-5000:])
-    assert proc.returncode == 0, f"GPU checks failed on {nproc} ranks:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "tests.gpu_checks"] + extra, cwd=root, env=env, timeout=900)
+    assert proc.returncode == 0, f"GPU checks failed on {nproc} ranks ({transport}); their output is above"
 
 
 @pytest.mark.timeout(300)
@@ -52,7 +51,6 @@ def test_gpu_bad_input():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": "cuda"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.gpu_bad_input"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    print(proc.stdout[-20000:], proc.stderr[-5000:])
-    assert proc.returncode == 0, f"GPU bad-input checks failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "tests.gpu_bad_input"], cwd=root, env=env, timeout=300)
+    assert proc.returncode == 0, "GPU bad-input checks failed; their output is above"

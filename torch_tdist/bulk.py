@@ -1,8 +1,8 @@
 """Large all_gather, reduce_scatter and all_reduce: every rank pushes its data into its peers'
 heaps in chunks, raising a flag after each chunk: with plain copies (on GPUs the copy engines,
-one side stream per peer, flags by ``stream_ops``) or with one push kernel on a side stream
-(``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags
-are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the transfer.
+one side stream per peer, flags by ``stream_ops``) or by the first programs of the receiving
+kernel itself (``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as
+its flags are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the transfer.
 
 Each round (a piece of the message that fits the bulk area), on the group's stream:
 
@@ -30,18 +30,24 @@ from .stream_ops import Streams
 from .triton_kernels import bulk
 
 KMAX = 64  # most chunks per slot in a round
-# Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (one
-# kernel, push_chunks_kernel, on a side stream). TDIST_BULK_PUSH chooses, to measure them.
+# Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (the
+# receiving kernel's first PUSH_PROGRAMS programs). TDIST_BULK_PUSH chooses; by default the
+# copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB: benchmarks/results/
+# collectives_NVIDIA_H200-x4-bulk-sm.json against collectives_NVIDIA_H200-x4-bulk.json).
 PUSHERS = ("copy_engine", "sm")
+DEFAULT_PUSHER = {"cpu": "copy_engine", "cuda": "sm"}
 # Bytes per chunk (fewer, larger chunks when KMAX would be exceeded); small on the CPU, so that
 # the tests' messages come in several chunks. On H200s 16 MB copy-engine chunks did best for
 # 64 MB messages: each costs a copy and a flag from Python (about 20 us of host time each).
-# Kernel pushes cost no host time per chunk, and want more chunks than programs.
+# Kernel pushes cost no host time per chunk; 1 MB chunks and 48 pushers of 132 programs did
+# best of the 9 settings in benchmarks/results/bulk_sm_tuning_NVIDIA_H200-x4.json.
 CHUNK_BYTES = {"copy_engine": 4096 if language.INTERPRET else 16 << 20,
-               "sm": 4096 if language.INTERPRET else 512 << 10}
+               "sm": 4096 if language.INTERPRET else 1 << 20}
 NO_LIMIT = 1 << 62
 KERNEL_BLOCK_BYTES = 16384
 KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs wait on flags)
+# Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
+PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 
 
 def vector(dtype: torch.dtype) -> int:
@@ -57,9 +63,9 @@ class BulkPath:
     """The bulk algorithms of one group over ``heap`` bytes ``[offset, offset + nbytes)``.
     ``launch(op, kernel, grid, *args, **meta)`` launches a kernel as the executor does;
     ``accumulator(dtype)`` is the type reductions of ``dtype`` accumulate in; ``pusher`` one of
-    PUSHERS."""
+    PUSHERS (None: the device's default)."""
 
-    def __init__(self, heap, offset: int, nbytes: int, launch, accumulator, pusher: str = "copy_engine"):
+    def __init__(self, heap, offset: int, nbytes: int, launch, accumulator, pusher: str | None = None):
         world = heap.world_size
         self.heap, self.rank, self.world = heap, heap.rank, world
         self.device = heap.device
@@ -75,7 +81,7 @@ class BulkPath:
         self._data = {}
         self._streams = Streams(heap.device)
         self.in_flight = False  # a call passed its start barrier and has not returned
-        self.pusher = pusher
+        self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
 
     # ---- heap addresses -----------------------------------------------------------------
     def _slots(self, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:
@@ -109,26 +115,16 @@ class BulkPath:
         streams.zero(0, self._flags[:self.world])
         streams.fork(self.world - 1)
 
-    def _push(self, op: str, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int,
-              limit: int, dst_offset: int, chunk: int, n_chunks: int):
+    def _push(self, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int, limit: int,
+              dst_offset: int, chunk: int, n_chunks: int):
         """Peer ``p``'s part of ``src`` (``src[p * src_stride:]``, ``min(part_len, limit - p *
         src_stride)`` elements, at least 0) -> ``p``'s slots at element ``dst_offset``, chunk by
         chunk, raising ``p``'s ready flag of each of the ``n_chunks`` chunks (empty ones too);
-        all peers at once, off the main stream."""
-        peers = self._peers()
-        if not peers:
-            return
+        all peers at once. The copy engines' pushes are queued on the side streams here; the
+        "sm" pushes are returned, for the receiving kernel to make (``_pushers``)."""
         if self.pusher == "sm":
-            dtype = src.dtype
-            self._streams.fork(1)
-            with self._streams.side(1):
-                self._launch(op, bulk.push_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, src,
-                             src_stride, part_len, limit, self._slots(dtype)[dst_offset:],
-                             self._flags[self._ready_index(flag_set, 0, 0):], chunk, n_chunks,
-                             ALIGN=vector(dtype) if aligned(dtype, (src_stride, chunk, dst_offset)) else 1,
-                             **self._meta(dtype))
-            return
-        for stream, peer in enumerate(peers, start=1):
+            return src, src_stride, part_len, limit
+        for stream, peer in enumerate(self._peers(), start=1):
             length = max(0, min(part_len, limit - peer * src_stride))
             part = src[peer * src_stride:peer * src_stride + length]
             dst = self._slots(src.dtype, peer)[dst_offset:dst_offset + length]
@@ -138,6 +134,13 @@ class BulkPath:
                     self._streams.copy(stream, dst[k * chunk:k * chunk + piece.numel()], piece)
                 address = self._flag_address(peer, self._ready_index(flag_set, self.rank, k))
                 self._streams.write(stream, address, 1)
+        return None
+
+    def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple]:
+        """(grid, the kernel's push arguments and PUSHERS) for ``push`` from ``_push``."""
+        if push is None or self.world == 1:
+            return KERNEL_PROGRAMS, (fallback, 0, 0, 0), 0
+        return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
 
     def _done_with(self, flag_set: int):
         first = self._ready_index(flag_set, 0, 0)
@@ -175,20 +178,25 @@ class BulkPath:
         return meta if language.INTERPRET else {**meta, "num_warps": 8}
 
     def _gather(self, op, own, slots, slot_stride, flag_set, out, part_stride, part_len, limit,
-                chunk, n_chunks, offsets):
+                chunk, n_chunks, offsets, push):
         dtype = out.dtype
-        self._launch(op, bulk.gather_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, own, slots,
-                     slot_stride, self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride,
-                     part_len, limit, chunk, n_chunks,
-                     ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, **self._meta(dtype))
+        grid, push_args, pushers = self._pushers(push, own)
+        offsets = (*offsets, slot_stride, chunk, push_args[1])
+        self._launch(op, bulk.gather_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
+                     self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride, part_len, limit,
+                     chunk, n_chunks, *push_args, ALIGN=vector(dtype) if aligned(dtype, offsets) else 1,
+                     PUSHERS=pushers, **self._meta(dtype))
         self._done_with(flag_set)
 
-    def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets):
+    def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets,
+                push):
         dtype = dst.dtype
-        self._launch(op, bulk.reduce_chunks_kernel, (KERNEL_PROGRAMS,), self.heap.ctx, own, slots,
-                     slot_stride, self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk,
-                     n_chunks, ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
-                     ACC=self._accumulator(dtype), **self._meta(dtype))
+        grid, push_args, pushers = self._pushers(push, own)
+        offsets = (*offsets, slot_stride, chunk, push_args[1])
+        self._launch(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
+                     self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk, n_chunks, *push_args,
+                     ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
+                     ACC=self._accumulator(dtype), PUSHERS=pushers, **self._meta(dtype))
         self._done_with(flag_set)
 
     # ---- the algorithms -----------------------------------------------------------------
@@ -209,17 +217,17 @@ class BulkPath:
         """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
         n, me = src.numel(), self.rank
         for start, length, chunk, n_chunks in self._slot_rounds(op, call_word, n, src.dtype):
-            self._push(op, 0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
+            push = self._push(0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._gather(op, src[start:], self._slots(src.dtype), length, 0, out[start:], n, length,
-                         self.world * n, chunk, n_chunks, offsets=(start, length, n))
+                         self.world * n, chunk, n_chunks, offsets=(start, length, n), push=push)
 
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""
         n, me = out.numel(), self.rank
         for start, length, chunk, n_chunks in self._slot_rounds(op, call_word, n, src.dtype):
-            self._push(op, 0, src[start:], n, length, NO_LIMIT, me * length, chunk, n_chunks)
+            push = self._push(0, src[start:], n, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._reduce(op, src[me * n + start:], self._slots(src.dtype), length, 0, out[start:],
-                         length, chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start))
+                         length, chunk, n_chunks, reduce_op, offsets=(me * n + start, length, start), push=push)
 
     def all_reduce(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, may be ``src``) = OP over ranks of their flat ``src``: a reduce_scatter
@@ -235,12 +243,12 @@ class BulkPath:
             mine = self._slots(dtype)
             reduced = mine[2 * world * part:2 * world * part + part]
             self._start_barrier(op, self._signature(call_word, n, n_chunks))
-            self._push(op, 0, src[start:], part, part, piece, me * part, chunk, n_chunks)
+            push = self._push(0, src[start:], part, part, piece, me * part, chunk, n_chunks)
             self._reduce(op, src[lo:], mine, part, 0, reduced, hi - lo, chunk, n_chunks, reduce_op,
-                         offsets=(lo, part))
+                         offsets=(lo, part, start), push=push)
             self._streams.fork(world - 1)  # the reduced slot is complete
-            self._push(op, 1, reduced, 0, hi - lo, NO_LIMIT, (world + me) * part, chunk, n_chunks)
+            push = self._push(1, reduced, 0, hi - lo, NO_LIMIT, (world + me) * part, chunk, n_chunks)
             self._gather(op, reduced, mine[world * part:], part, 1, out[start:], part, part, piece,
-                         chunk, n_chunks, offsets=(start, part))
+                         chunk, n_chunks, offsets=(start, part), push=push)
             self._streams.join(world - 1)
         self.in_flight = False

@@ -48,9 +48,9 @@ GPU_UNEVEN_ALL_TO_ALL = False
 
 # Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
 # all_reduce take the bulk path (None: never). On the CPU it beats the interpreted one-shot
-# kernel from a few MB for all_gather and reduce_scatter, not for all_reduce. On H200s it is
-# slower than NCCL at every size measured (benchmarks/results/collectives_NVIDIA_H200-x4-bulk.json),
-# so large GPU messages still go to NCCL. TDIST_ALGORITHM=oneshot|bulk forces one path at every
+# kernel from a few MB for all_gather and reduce_scatter, not for all_reduce. On H200s it was
+# 0.75x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
+# x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json), so large GPU messages still go to NCCL. TDIST_ALGORITHM=oneshot|bulk forces one path at every
 # size, with no size handed to NCCL (to measure them).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
@@ -125,8 +125,8 @@ class Executor:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"tdist: TDIST_ALGORITHM={self.algorithm!r}; expected one of "
                              f"{', '.join(ALGORITHMS)}")
-        self.bulk_pusher = os.environ.get("TDIST_BULK_PUSH", "copy_engine").lower()
-        if self.bulk_pusher not in PUSHERS:
+        self.bulk_pusher = os.environ.get("TDIST_BULK_PUSH", "").lower() or None  # None: the device's default
+        if self.bulk_pusher not in (None, *PUSHERS):
             raise ValueError(f"tdist: TDIST_BULK_PUSH={self.bulk_pusher!r}; expected one of "
                              f"{', '.join(PUSHERS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"

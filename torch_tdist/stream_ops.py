@@ -8,7 +8,6 @@ CUDA graphs capture them. ``Streams.for_cpu()`` is the same interface where the 
 calling thread: stores, spins that give up after the group's timeout, and torch copies.
 """
 
-import contextlib
 import ctypes
 
 import torch
@@ -40,8 +39,7 @@ class Streams:
         cu = _driver()
         self._main = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         while len(self._side) < sides:
-            # high priority, like the group's stream: a push kernel here must get SMs while
-            # the group's receiving kernel spins
+            # high priority, like the group's stream
             stream = torch.cuda.Stream(self.device, priority=-1)
             event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             self._side.append((stream, cu.CUstream(stream.cuda_stream), event))
@@ -65,12 +63,6 @@ class Streams:
         for _, handle, event in self._side[:sides]:
             _check(cu.cuEventRecord(event, handle), "cuEventRecord")
             _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
-
-    def side(self, stream: int):
-        """A context in which torch (and Triton) work goes to side stream ``stream`` (1-based)."""
-        if self.on_cpu:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._side[stream - 1][0])
 
     def _handle(self, stream: int):
         return self._main if stream == 0 else self._side[stream - 1][1]
