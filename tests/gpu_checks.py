@@ -318,6 +318,38 @@ def served_by_tdist(tg, rank, world, device, gen):
             _failures.append(f"stats: no {op} served by tdist kernels: {stats[op]}")
 
 
+def fused_ops(tg, rank, world, device, gen):
+    """torch_tdist.ops on CUDA tensors (bf16, seed-like shapes scaled down, and odd ones):
+    outputs and gradients against NCCL + torch.matmul in float32; relative error <= 1e-2."""
+    for m, n, k in ((256, 512, 384), (24, 40, 56)):
+        a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+        b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+        out = torch_tdist.ops.all_gather_matmul(a, b, group=tg)
+        w = torch.randn(out.shape, device=device, generator=gen)
+        (out.float() * w).sum().backward()
+        a_full = torch.empty(world * m, k, device=device)
+        dist.all_gather_into_tensor(a_full, a.detach().float())
+        _relative(f"all_gather_matmul {m}x{n}x{k}", out, a_full @ b.detach().float())
+        grad_full = w @ b.detach().float().t()
+        dist.all_reduce(grad_full)
+        _relative(f"all_gather_matmul grad A {m}x{n}x{k}", a.grad, grad_full.chunk(world)[rank])
+        _relative(f"all_gather_matmul grad B {m}x{n}x{k}", b.grad, a_full.t() @ w)
+
+        a2 = torch.randn(world * m, k, device=device, generator=gen).to(torch.bfloat16)
+        out2 = torch_tdist.ops.matmul_reduce_scatter(a2, b.detach(), group=tg)
+        want = torch.empty(m, n, device=device)
+        dist.reduce_scatter_tensor(want, a2.float() @ b.detach().float())
+        _relative(f"matmul_reduce_scatter {m}x{n}x{k}", out2, want)
+
+
+def _relative(name, got, want):
+    global _checked
+    _checked += 1
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if not err <= 1e-2:
+        _failures.append(f"{name}: relative error {err:.3g}")
+
+
 def shmem_calls(tg, rank, world, device, gen):
     """Every torch_tdist.shmem_device call in one kernel (tests/jobs_shmem.py), on GPUs."""
     if not NVSHMEM:
@@ -405,7 +437,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, bulk_path,
-          served_by_tdist,
+          served_by_tdist, fused_ops,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

@@ -5,11 +5,11 @@ symmetric heap.
     dist.init_process_group("tdist")
 """
 
-from . import language
+from . import language, ops
 from .backend import get_executor, register, stats
 
 __version__ = "0.1.0"
-__all__ = ["language", "register", "stats", "get_heap", "hierarchical_all_gather", "__version__"]
+__all__ = ["language", "ops", "register", "stats", "get_heap", "hierarchical_all_gather", "__version__"]
 
 register()
 

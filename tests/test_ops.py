@@ -1,0 +1,57 @@
+"""torch_tdist.ops on the CPU, one process per rank: all_gather_matmul (one B and a list of three,
+gathered along dim 0 and along dim 1 of a 3-D A) and matmul_reduce_scatter (sum and avg), outputs
+and gradients against float64 references; both ops under torch.compile(fullgraph=True); and a
+clear error, the same on every rank, for each kind of bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import jobs_ops as J
+from tests.helpers import skip_on, ws_param
+
+
+pytestmark = skip_on("gloo", "torch_tdist.ops needs a tdist group")
+
+
+@ws_param([2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("gather_dim,n_bs", [(0, 1), (0, 3), (1, 1)])
+def test_all_gather_matmul(pool, dtype, gather_dim, n_bs, seed):
+    pool.run(J.all_gather_matmul, dtype, seed, gather_dim, n_bs)
+
+
+@ws_param([2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("reduce_op", ["sum", "avg"])
+def test_matmul_reduce_scatter(pool, dtype, reduce_op, seed):
+    pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op)
+
+
+@ws_param([2])
+def test_ops_under_torch_compile(pool, seed):
+    pool.run(J.compiled, seed, timeout=300)
+
+
+BAD = {  # case: (error type, words the message must hold)
+    "int dtype": ("TypeError", ["all_gather_matmul", "int64", "bfloat16"]),
+    "K mismatch": ("ValueError", ["all_gather_matmul", "[4, N]"]),
+    "B dtype differs": ("TypeError", ["all_gather_matmul", "float64"]),
+    "B not 2-D": ("ValueError", ["all_gather_matmul", "(2, 4, 3)"]),
+    "A 1-D": ("ValueError", ["matmul_reduce_scatter", "2 or more"]),
+    "gather along K": ("ValueError", ["all_gather_matmul", "gather_dim=1"]),
+    "rows not divisible": ("ValueError", ["matmul_reduce_scatter", "do not divide"]),
+    "reduce_op max": ("ValueError", ["matmul_reduce_scatter", "'max'", "sum, avg"]),
+    "not a tdist group": ("ValueError", ["not a tdist group"]),
+    "empty B list": ("ValueError", ["all_gather_matmul", "no B"]),
+}
+
+
+@ws_param([2])
+@pytest.mark.parametrize("case", list(BAD))
+def test_ops_bad_input(pool, case):
+    kind, words = BAD[case]
+    for got_kind, message in pool.run(J.bad_input, case, timeout=60):
+        assert got_kind == kind, f"{case}: {got_kind}: {message}"
+        for word in words:
+            assert word in message, f"{case}: {word!r} not in {message!r}"

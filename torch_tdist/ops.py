@@ -1,0 +1,208 @@
+"""Compute-communication ops for tensor parallelism: all-gather + matmul and matmul +
+reduce-scatter.
+
+``all_gather_matmul(a_shard, b, group=None, gather_dim=0, return_a=False)`` is
+``all_gather(a_shard, gather_dim) @ b``; ``b`` may be a list of matrices sharing one gather (q/k/v
+projections), and then a list of outputs comes back. ``matmul_reduce_scatter(a, b, group=None,
+scatter_dim=0, reduce_op="sum")`` is this rank's shard of ``reduce_scatter(a @ b, scatter_dim)``,
+summed or averaged over the group.
+
+Both are ``torch.ops.tdist.all_gather_matmul`` / ``torch.ops.tdist.matmul_reduce_scatter`` custom
+ops that take the group by name, with fake kernels (torch.compile traces them with
+``fullgraph=True``) and autograd: the input gradient of one is the other, the weight gradient a
+matmul with the gathered operand.
+
+Today they run the sequential path: the group's collective (tdist's kernels), then
+``torch.matmul``. The fused kernels that overlap the two are issue 4's next step; this path stays
+as the fallback where overlap cannot pay.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from .backend import _tdist_backend
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+# ---- the public functions ---------------------------------------------------------------
+def all_gather_matmul(a_shard: Tensor, b, group=None, gather_dim: int = 0, return_a: bool = False):
+    """``all_gather(a_shard, gather_dim) @ b`` over ``group`` (a tdist group; None: the default
+    group). ``b``: a [K, N] matrix or a list of them (one output each). With ``return_a``, returns
+    ``(a_full, out)``."""
+    bs = list(b) if isinstance(b, (list, tuple)) else [b]
+    a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, bs, _group_name(group), gather_dim, return_a)
+    out = outs if isinstance(b, (list, tuple)) else outs[0]
+    return (a_full, out) if return_a else out
+
+
+def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, scatter_dim: int = 0, reduce_op: str = "sum"):
+    """This rank's shard of ``reduce_scatter(a @ b, scatter_dim)`` over ``group`` (a tdist group;
+    None: the default group), ``reduce_op`` "sum" or "avg"."""
+    return torch.ops.tdist.matmul_reduce_scatter(a, b, _group_name(group), scatter_dim, reduce_op)
+
+
+def _group_name(group) -> str:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    _tdist_backend(pg)  # a clear error for groups of other backends
+    return pg.group_name
+
+
+def _group(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# ---- checks (shared by the real and the fake kernels) ------------------------------------
+def _check_operands(op: str, a: Tensor, bs: list[Tensor]) -> int:
+    """Dtypes, devices and the contracted size K; returns K."""
+    if a.dtype not in DTYPES:
+        raise TypeError(f"tdist {op}: A is {a.dtype}; expected bfloat16, float16 or float32")
+    if a.dim() < 2:
+        raise ValueError(f"tdist {op}: A has shape {tuple(a.shape)}; expected 2 or more dimensions")
+    if not bs:
+        raise ValueError(f"tdist {op}: no B matrix given")
+    k = a.shape[-1]
+    for i, b in enumerate(bs):
+        if b.dtype != a.dtype or b.device != a.device:
+            raise TypeError(f"tdist {op}: B[{i}] is {b.dtype} on {b.device}, A is {a.dtype} on {a.device}; "
+                            f"they must match")
+        if b.dim() != 2 or b.shape[0] != k:
+            raise ValueError(f"tdist {op}: B[{i}] has shape {tuple(b.shape)}; expected [{k}, N] "
+                             f"(A's last dimension is {k})")
+    return k
+
+
+def _dim(op: str, name: str, dim: int, ndim: int) -> int:
+    """``dim`` of a result with ``ndim`` dimensions, not the last (the matmul's columns)."""
+    if not -ndim <= dim < ndim or dim % ndim == ndim - 1:
+        raise ValueError(f"tdist {op}: {name}={dim}; expected one of A's {ndim} dimensions but the "
+                         f"last (the one the matmul contracts or makes)")
+    return dim % ndim
+
+
+# ---- the sequential path ------------------------------------------------------------------
+# torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather(x: Tensor, dim: int, group) -> Tensor:
+    rows = x.movedim(dim, 0).contiguous()
+    out = rows.new_empty((group.size() * rows.shape[0], *rows.shape[1:]))
+    _all_gather_single(out, rows, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: Tensor, dim: int, reduce_op: str, group) -> Tensor:
+    rows = x.movedim(dim, 0).contiguous()
+    out = rows.new_empty((rows.shape[0] // group.size(), *rows.shape[1:]))
+    _reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
+    return out.movedim(0, dim)
+
+
+# ---- tdist::all_gather_matmul --------------------------------------------------------------
+@torch.library.custom_op("tdist::all_gather_matmul", mutates_args=())
+def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gather_dim: int,
+                       return_a: bool) -> tuple[Tensor, list[Tensor]]:
+    """(A gathered, [A gathered @ b for b in bs]). The gathered A always comes back (the backward
+    needs it); gradients flow into it only with ``return_a``."""
+    dim = _checked_gather(a_shard, bs, gather_dim)
+    a_full = _all_gather(a_shard, dim, _group(group_name))
+    return a_full, [torch.matmul(a_full, b) for b in bs]
+
+
+def _checked_gather(a_shard, bs, gather_dim) -> int:
+    _check_operands("all_gather_matmul", a_shard, bs)
+    return _dim("all_gather_matmul", "gather_dim", gather_dim, a_shard.dim())
+
+
+@_all_gather_matmul.register_fake
+def _(a_shard, bs, group_name, gather_dim, return_a):
+    dim = _checked_gather(a_shard, bs, gather_dim)
+    shape = list(a_shard.shape)
+    shape[dim] *= _group(group_name).size()
+    return a_shard.new_empty(shape), [a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs]
+
+
+def _gather_setup(ctx, inputs, output):
+    _, bs, ctx.group_name, ctx.gather_dim, ctx.return_a = inputs
+    ctx.save_for_backward(output[0], *bs)
+
+
+def _gather_backward(ctx, grad_a_full, grad_outs):
+    a_full, *bs = ctx.saved_tensors
+    used = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+    grad_bs = [None if g is None else _weight_grad(a_full, g) for g, b in zip(grad_outs, bs)]
+    dim = ctx.gather_dim % a_full.dim()
+    grad_a = None
+    if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
+        grad_a = torch.ops.tdist.matmul_reduce_scatter(
+            torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
+            ctx.group_name, dim, "sum")
+    if ctx.return_a and grad_a_full is not None:
+        extra = funcol.reduce_scatter_tensor(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
+        grad_a = extra if grad_a is None else grad_a + extra
+    return grad_a, grad_bs, None, None, None
+
+
+_all_gather_matmul.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ---- tdist::matmul_reduce_scatter ----------------------------------------------------------
+@torch.library.custom_op("tdist::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: int,
+                           reduce_op: str) -> Tensor:
+    group = _group(group_name)
+    dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
+    return _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group)
+
+
+def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
+    op = "matmul_reduce_scatter"
+    _check_operands(op, a, [b])
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"tdist {op}: reduce_op={reduce_op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    dim = _dim(op, "scatter_dim", scatter_dim, a.dim())
+    if a.shape[dim] % world:
+        raise ValueError(f"tdist {op}: A's dimension {dim} has {a.shape[dim]} rows, which the "
+                         f"group's {world} ranks do not divide")
+    return dim
+
+
+@_matmul_reduce_scatter.register_fake
+def _(a, b, group_name, scatter_dim, reduce_op):
+    world = _group(group_name).size()
+    dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
+    shape = [*a.shape[:-1], b.shape[1]]
+    shape[dim] //= world
+    return a.new_empty(shape)
+
+
+def _scatter_setup(ctx, inputs, output):
+    a, b, ctx.group_name, ctx.scatter_dim, ctx.reduce_op = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _scatter_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    if ctx.reduce_op == "avg":
+        grad_out = grad_out / _group(ctx.group_name).size()
+    # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
+    gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
+        grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
+    return grad_a, _weight_grad(a, gathered), None, None, None
+
+
+_matmul_reduce_scatter.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+
+
+def _weight_grad(x: Tensor, grad: Tensor) -> Tensor:
+    """d(x @ w)/dw contracted with ``grad``: x^T @ grad over every leading dimension."""
+    return x.reshape(-1, x.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
