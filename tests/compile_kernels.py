@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
-from torch_tdist.triton_kernels import bulk, oneshot, staged  # noqa: E402
+from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -68,6 +68,17 @@ def specialisations():
                         "PUSHERS": "constexpr"}, {
                             "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align,
                             "PUSHERS": pushers}
+    for dt, pushers in (("bf16", 48), ("bf16", 0), ("fp32", 0)):
+        yield overlap.ag_gemm_kernel, {
+            "ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64", "ready": "*i64",
+            "b": f"*{dt}", "c": f"*{dt}", "a_out": f"*{dt}", "m": "i32", "N": "i32", "K": "i32",
+            "stride_bk": "i64", "stride_bn": "i64", "chunk": "i64", "n_chunks": "i64", "push_src": f"*{dt}",
+            "push_stride": "i64", "push_len": "i64", "push_limit": "i64", "ME": "constexpr",
+            "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
+            "BLOCK": "constexpr", "ALIGN": "constexpr", "PUSHERS": "constexpr", "IEEE": "constexpr",
+            "UPCAST": "constexpr"}, {
+                "ME": 1, "WORLD": 4, "KMAX": 64, "BM": 128, "BN": 128, "BK": 64, "BLOCK": 8192,
+                "ALIGN": 8 if dt == "bf16" else 4, "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):

@@ -319,8 +319,23 @@ def served_by_tdist(tg, rank, world, device, gen):
 
 
 def fused_ops(tg, rank, world, device, gen):
-    """torch_tdist.ops on CUDA tensors (bf16, seed-like shapes scaled down, and odd ones):
-    outputs and gradients against NCCL + torch.matmul in float32; relative error <= 1e-2."""
+    """torch_tdist.ops on CUDA tensors (bf16, seed-like shapes scaled down, and odd ones), on the
+    sequential path and on the overlapping kernels with both pushers: outputs and gradients
+    against NCCL + torch.matmul in float32; relative error <= 1e-2."""
+    _ops_against_nccl(tg, "sequential", rank, world, device, gen)
+    if NVSHMEM:
+        return
+    for pusher in ("sm", "copy_engine"):
+        os.environ.update(TDIST_OVERLAP="fused", TDIST_BULK_PUSH=pusher)
+        fg = dist.new_group(backend="tdist")
+        del os.environ["TDIST_OVERLAP"], os.environ["TDIST_BULK_PUSH"]
+        _ops_against_nccl(fg, f"fused {pusher}", rank, world, device, gen)
+        served = torch_tdist.get_executor(fg).fused_calls["all_gather_matmul"]
+        if served != 2:
+            _failures.append(f"fused {pusher}: {served} calls by the overlapping kernel, expected 2")
+
+
+def _ops_against_nccl(tg, label, rank, world, device, gen):
     for m, n, k in ((256, 512, 384), (24, 40, 56)):
         a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
         b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -329,17 +344,17 @@ def fused_ops(tg, rank, world, device, gen):
         (out.float() * w).sum().backward()
         a_full = torch.empty(world * m, k, device=device)
         dist.all_gather_into_tensor(a_full, a.detach().float())
-        _relative(f"all_gather_matmul {m}x{n}x{k}", out, a_full @ b.detach().float())
+        _relative(f"{label} all_gather_matmul {m}x{n}x{k}", out, a_full @ b.detach().float())
         grad_full = w @ b.detach().float().t()
         dist.all_reduce(grad_full)
-        _relative(f"all_gather_matmul grad A {m}x{n}x{k}", a.grad, grad_full.chunk(world)[rank])
-        _relative(f"all_gather_matmul grad B {m}x{n}x{k}", b.grad, a_full.t() @ w)
+        _relative(f"{label} all_gather_matmul grad A {m}x{n}x{k}", a.grad, grad_full.chunk(world)[rank])
+        _relative(f"{label} all_gather_matmul grad B {m}x{n}x{k}", b.grad, a_full.t() @ w)
 
         a2 = torch.randn(world * m, k, device=device, generator=gen).to(torch.bfloat16)
         out2 = torch_tdist.ops.matmul_reduce_scatter(a2, b.detach(), group=tg)
         want = torch.empty(m, n, device=device)
         dist.reduce_scatter_tensor(want, a2.float() @ b.detach().float())
-        _relative(f"matmul_reduce_scatter {m}x{n}x{k}", out2, want)
+        _relative(f"{label} matmul_reduce_scatter {m}x{n}x{k}", out2, want)
 
 
 def _relative(name, got, want):

@@ -29,12 +29,18 @@ def _operand(shape, d, seed, salt):
     return rand(shape, d, shared_gen(seed, salt), "sum")
 
 
-def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs):
+SHAPES = {"small": (3, 8, [5, 4, 6]), "tiles": (37, 40, [50, 18, 33])}  # m, k, [n per B]
+
+
+def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fused=False):
     """A [ws*m, k] (or [2, ws*m, k] gathered along dim 1) row-sharded; every rank has its own Bs
     and weights; loss = sum_i <out_i, w_i> + <A gathered, v>, so A's gradient sums over ranks."""
     chk = Checker(rank, f"all_gather_matmul[{dtype}, dim {gather_dim}, {n_bs} B]")
     d = dt(dtype)
-    m, k, ns = 3, 8, [5, 4, 6][:n_bs]
+    m, k, ns = SHAPES[shape]
+    ns = ns[:n_bs]
+    executor = torch_tdist.get_executor()
+    fused_before = executor.fused_calls["all_gather_matmul"]
     full_shape = [ws * m, k] if gather_dim == 0 else [2, ws * m, k]
     a_full = _operand(full_shape, d, seed, 1)
     a_shard = a_full.chunk(ws, dim=gather_dim)[rank].clone().requires_grad_()
@@ -48,6 +54,8 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs):
                                                     gather_dim=gather_dim, return_a=True)
     outs = outs if n_bs > 1 else [outs]
     chk.equal(got_a, a_full, "gathered A")
+    served = executor.fused_calls["all_gather_matmul"] - fused_before
+    chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     for i, out in enumerate(outs):
         _close(chk, out, a_full.double() @ bs[rank][i].double(), f"output {i}")
     ((got_a * v[rank]).sum() + sum((o * w).sum() for o, w in zip(outs, ws_[rank]))).backward()

@@ -9,6 +9,7 @@ import pytest
 
 from tests import jobs_ops as J
 from tests.helpers import skip_on, ws_param
+from tests.multiproc import RankPool, backend_under_test
 
 
 pytestmark = skip_on("gloo", "torch_tdist.ops needs a tdist group")
@@ -19,6 +20,34 @@ pytestmark = skip_on("gloo", "torch_tdist.ops needs a tdist group")
 @pytest.mark.parametrize("gather_dim,n_bs", [(0, 1), (0, 3), (1, 1)])
 def test_all_gather_matmul(pool, dtype, gather_dim, n_bs, seed):
     pool.run(J.all_gather_matmul, dtype, seed, gather_dim, n_bs)
+
+
+_FUSED = {}
+
+
+@pytest.fixture(params=["copy_engine", "sm"])
+def fused_pool(world_size, request):
+    """Ranks whose torch_tdist.ops take the overlapping kernels, shards pushed by copies or by
+    the kernel's own programs."""
+    key = (world_size, request.param)
+    if key not in _FUSED:
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, fused, {key[1]})",
+                               env={"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": request.param})
+    yield _FUSED[key]
+
+
+def teardown_module():
+    for pool in _FUSED.values():
+        pool.shutdown()
+    _FUSED.clear()
+
+
+@ws_param([2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape,n_bs", [("small", 1), ("tiles", 3)])
+def test_overlapped_all_gather_matmul(fused_pool, dtype, shape, n_bs, seed):
+    """The fused kernel: every output tile, the gathered A and the gradients."""
+    fused_pool.run(J.all_gather_matmul, dtype, seed, 0, n_bs, shape, True, timeout=240)
 
 
 @ws_param([2, 4])

@@ -172,7 +172,8 @@ class BulkPath:
                              "TDIST_HEAP_SIZE (or the backend option 'heap_size')")
         return length
 
-    def _meta(self, dtype: torch.dtype) -> dict:
+    def kernel_meta(self, dtype: torch.dtype) -> dict:
+        """ME, WORLD, KMAX and BLOCK of the bulk kernels (and their warps on GPUs)."""
         block = 8192 if language.INTERPRET else KERNEL_BLOCK_BYTES // dtype.itemsize
         meta = {"ME": self.rank, "WORLD": self.world, "KMAX": KMAX, "BLOCK": block}
         return meta if language.INTERPRET else {**meta, "num_warps": 8}
@@ -185,7 +186,7 @@ class BulkPath:
         self._launch(op, bulk.gather_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride, part_len, limit,
                      chunk, n_chunks, *push_args, ALIGN=vector(dtype) if aligned(dtype, offsets) else 1,
-                     PUSHERS=pushers, **self._meta(dtype))
+                     PUSHERS=pushers, **self.kernel_meta(dtype))
         self._done_with(flag_set)
 
     def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets,
@@ -196,7 +197,7 @@ class BulkPath:
         self._launch(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk, n_chunks, *push_args,
                      ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
-                     ACC=self._accumulator(dtype), PUSHERS=pushers, **self._meta(dtype))
+                     ACC=self._accumulator(dtype), PUSHERS=pushers, **self.kernel_meta(dtype))
         self._done_with(flag_set)
 
     # ---- the algorithms -----------------------------------------------------------------
@@ -220,6 +221,25 @@ class BulkPath:
             push = self._push(0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
             self._gather(op, src[start:], self._slots(src.dtype), length, 0, out[start:], n, length,
                          self.world * n, chunk, n_chunks, offsets=(start, length, n), push=push)
+
+    def fits_one_round(self, n: int, dtype: torch.dtype) -> bool:
+        """Whether an all_gather of ``n`` elements per rank fits the slots in one round."""
+        return n <= self._slot_length(dtype, self.world)
+
+    def all_gather_consumed(self, op: str, call_word: int, src: torch.Tensor, consume):
+        """all_gather's pushes of flat ``src`` in one round (``fits_one_round``), taken by the
+        kernel ``consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args,
+        pushers)`` launches instead of the gather kernel (the arguments as there)."""
+        n, dtype = src.numel(), src.dtype
+        chunk, n_chunks = self._chunking(dtype, n)
+        self._start_barrier(op, self._signature(call_word, n, n_chunks))
+        push = self._push(0, src, 0, n, NO_LIMIT, self.rank * n, chunk, n_chunks)
+        grid, push_args, pushers = self._pushers(push, src)
+        consume(src, self._slots(dtype), n, self._flags[self._ready_index(0, 0, 0):], chunk, n_chunks,
+                grid, push_args, pushers)
+        self._done_with(0)
+        self._streams.join(self.world - 1)
+        self.in_flight = False
 
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""

@@ -9,6 +9,7 @@ mailbox slot); large all_gathers, reduce_scatters and all_reduces take the bulk 
 are the publish/pull pair of ``triton_kernels/staged.py``.
 """
 
+import collections
 import contextlib
 import os
 from datetime import timedelta
@@ -21,7 +22,7 @@ from .bulk import PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, oneshot, staged
+from .triton_kernels import hierarchical, oneshot, overlap, staged
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -57,12 +58,21 @@ BULK_FROM_BYTES = {
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk")
+# How torch_tdist.ops run: "fused" (the overlapping kernels of triton_kernels/overlap.py where
+# the shapes allow), "sequential" (the collective, then torch.matmul), "auto": sequential until
+# the fused kernels are measured faster on GPUs (issue 4).
+OVERLAPS = ("auto", "fused", "sequential")
+# Tiles of the overlapped matmuls (triton_kernels/overlap.py): small under the interpreter, the
+# usual H100/H200 bf16 shape on GPUs (to be tuned on the device).
+GEMM_TILES_INTERPRET = {"BM": 16, "BN": 16, "BK": 16}
+GEMM_TILES = {"BM": 128, "BN": 128, "BK": 64, "num_stages": 3}
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
 _CALL_CODE = {"all_gather_into_tensor": 1, "all_gather": 1, "reduce_scatter_tensor": 2,
               "reduce_scatter": 2, "all_reduce": 3, "reduce": 4, "all_to_all_single": 5,
-              "all_to_all": 5, "broadcast": 6, "scatter": 7, "gather": 8, "barrier": 9}
+              "all_to_all": 5, "broadcast": 6, "scatter": 7, "gather": 8, "barrier": 9,
+              "all_gather_matmul": 10}
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(
     (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
      torch.int8, torch.uint8), start=1)}
@@ -129,6 +139,10 @@ class Executor:
         if self.bulk_pusher not in (None, *PUSHERS):
             raise ValueError(f"tdist: TDIST_BULK_PUSH={self.bulk_pusher!r}; expected one of "
                              f"{', '.join(PUSHERS)}")
+        self.fused_calls = collections.Counter()  # torch_tdist.ops calls the overlapping kernels served
+        self.overlap = os.environ.get("TDIST_OVERLAP", "auto").lower()
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
         self.gpu_size_limits = GPU_SIZE_LIMITS if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
@@ -522,6 +536,35 @@ class Executor:
                                 [(p, 0, p * n + start, length) for p in range(self.world_size)], count=n)
         if out is not None:
             out.finish()
+
+    # ---- fused ops (torch_tdist.ops) ----------------------------------------------------
+    def all_gather_matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                          a_out: torch.Tensor) -> bool:
+        """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``), the matmul taking
+        each peer's rows as they land (``triton_kernels/overlap.py``); ``a`` [m, K] and ``out``
+        [world * m, N], ``a_out`` contiguous. On the caller's stream. False, having done nothing,
+        when the shards do not fit the bulk area in one round."""
+        op = "all_gather_matmul"
+        self._begin(op, a)
+        src = a.reshape(-1)
+        if not self._bulk.fits_one_round(src.numel(), src.dtype):
+            return False
+        self.fused_calls[op] += 1
+        m, k = a.shape
+        n = b.shape[1]
+        dtype = a.dtype
+        tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
+
+        def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
+            aligned = _aligned(dtype, (slot_stride, chunk, push_args[1]))
+            self._launch(op, overlap.ag_gemm_kernel, (grid,), self._heap.ctx, own, slots, slot_stride, ready,
+                         b, out, a_out, m, n, k, b.stride(0), b.stride(1), chunk, n_chunks, *push_args,
+                         **self._bulk.kernel_meta(dtype), **tiles, ALIGN=_vector(dtype) if aligned else 1,
+                         PUSHERS=pushers, IEEE=dtype == torch.float32, UPCAST=language.INTERPRET)
+
+        self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_consumed(op_, word, flat, consume),
+                        out, src)
+        return True
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):
         """all_gather_into_tensor as between nodes of ``ranks_per_node`` ranks: NVSHMEM puts

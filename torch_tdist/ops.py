@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .backend import _tdist_backend
+from .backend import _tdist_backend, get_executor
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -114,8 +114,31 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     """(A gathered, [A gathered @ b for b in bs]). The gathered A always comes back (the backward
     needs it); gradients flow into it only with ``return_a``."""
     dim = _checked_gather(a_shard, bs, gather_dim)
-    a_full = _all_gather(a_shard, dim, _group(group_name))
+    group = _group(group_name)
+    fused = _fused_all_gather_matmul(a_shard, bs, group) if dim == 0 else None
+    if fused is not None:
+        return fused
+    a_full = _all_gather(a_shard, dim, group)
     return a_full, [torch.matmul(a_full, b) for b in bs]
+
+
+def _fused_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group):
+    """The overlapped kernel (``Executor.all_gather_matmul``) for a gather along dim 0, or None
+    where the group's policy (``TDIST_OVERLAP``) or the heap says sequential."""
+    executor = get_executor(group)
+    if executor.overlap != "fused":
+        return None
+    k, world = a_shard.shape[-1], group.size()
+    a = a_shard.reshape(-1, k).contiguous()
+    b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
+    out = a.new_empty((world * a.shape[0], b.shape[1]))
+    a_full = a.new_empty((world * a.shape[0], k))
+    if not executor.all_gather_matmul(a, b, out, a_full):
+        return None
+    lead = (world * a_shard.shape[0], *a_shard.shape[1:-1])
+    widths = [w.shape[1] for w in bs]
+    outs = [out] if len(bs) == 1 else [part.contiguous() for part in out.split(widths, dim=1)]
+    return a_full.view(*lead, k), [o.view(*lead, w) for o, w in zip(outs, widths)]
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:

@@ -56,13 +56,16 @@ def _push(ctx, src, src_stride, part_len, limit, slots, slot_stride, ready, chun
 def _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots, slot_stride, ready, chunk,
                    n_chunks, ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
                    BLOCK: tl.constexpr, ALIGN: tl.constexpr, PUSHERS: tl.constexpr):
-    """Programs below ``PUSHERS`` push ``push_src`` (see ``_push``) and get -1; the others get
-    their index among the receiving programs."""
+    """Programs below ``PUSHERS`` push ``push_src`` (see ``_push``). Returns (this program's index
+    among the receiving programs, -1 for a pusher; how many receive; ``slot_stride`` and ``chunk``
+    as int64 multiples of ALIGN, for the receivers' addressing: s * stride may pass 2**31)."""
     pid = tl.program_id(0)
+    slot_stride = tl.multiple_of(slot_stride.to(tl.int64), ALIGN)
+    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
     if pid < PUSHERS:
         _push(ctx, push_src, tl.multiple_of(push_stride, ALIGN), push_len, push_limit, slots, slot_stride,
               ready, chunk, n_chunks, pid, PUSHERS, ME, WORLD, KMAX, BLOCK)
-    return tl.where(pid < PUSHERS, -1, pid - PUSHERS)
+    return tl.where(pid < PUSHERS, -1, pid - PUSHERS), tl.num_programs(0) - PUSHERS, slot_stride, chunk
 
 
 @tdl.jit
@@ -73,13 +76,10 @@ def gather_chunks_kernel(ctx, own, slots, slot_stride, ready, out, part_stride, 
     """``out + s * part_stride`` gets rank ``s``'s part (``own`` for this rank), of
     ``min(part_len, limit - s * part_stride)`` elements (at least 0). With ``PUSHERS``, those
     programs first push ``push_src`` (see ``_push``)."""
-    nprog = tl.num_programs(0)
-    slot_stride = tl.multiple_of(slot_stride.to(tl.int64), ALIGN)  # (int64: s * stride may pass 2**31)
+    pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
+                                                    slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
+                                                    BLOCK, ALIGN, PUSHERS)
     part_stride = tl.multiple_of(part_stride.to(tl.int64), ALIGN)
-    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
-    pid = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots, slot_stride, ready, chunk,
-                         n_chunks, ME, WORLD, KMAX, BLOCK, ALIGN, PUSHERS)
-    nprog = nprog - PUSHERS
     if pid >= 0:
         mine = tl.maximum(tl.minimum(part_len, limit - ME * part_stride), 0)
         _copy(out + ME * part_stride, own, mine, pid, nprog, BLOCK)
@@ -102,12 +102,9 @@ def reduce_chunks_kernel(ctx, own, slots, slot_stride, ready, dst, n, chunk, n_c
     """``dst[i] = OP over ranks s (in rank order) of part_s[i]`` for i < n, part ``ME`` being
     ``own``. Every rank combines in the same order, so results are bit-identical across ranks.
     With ``PUSHERS``, those programs first push ``push_src`` (see ``_push``)."""
-    nprog = tl.num_programs(0)
-    slot_stride = tl.multiple_of(slot_stride.to(tl.int64), ALIGN)  # (int64: s * stride may pass 2**31)
-    chunk = tl.multiple_of(chunk.to(tl.int64), ALIGN)
-    pid = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots, slot_stride, ready, chunk,
-                         n_chunks, ME, WORLD, KMAX, BLOCK, ALIGN, PUSHERS)
-    nprog = nprog - PUSHERS
+    pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
+                                                    slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
+                                                    BLOCK, ALIGN, PUSHERS)
     if pid >= 0:
         for k in range(n_chunks):
             for i in tl.static_range(1, WORLD):

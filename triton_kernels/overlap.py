@@ -1,0 +1,70 @@
+"""Kernels that overlap a matmul with the collective feeding it.
+
+``ag_gemm_kernel``: C = all_gather(A) @ B while A's shards arrive. Peers push their shard of A
+[m, K] into this rank's bulk slots (``triton_kernels/bulk.py``'s protocol: slot ``s`` holds rank
+``s``'s shard, flag ``ready + s * KMAX + k`` rises when its chunk ``k`` has landed). The GEMM's
+persistent programs take output tiles shard by shard, this rank's own shard first, then the
+others in rank order from it (the order they are likely to land in), and wait only for the chunks
+a tile's rows live in. With ``PUSHERS``, the kernel's first programs push this rank's shard to
+its peers (``bulk._pushers_first``).
+"""
+
+import triton.language as tl
+
+from torch_tdist import language as tdl
+
+from .bulk import _pushers_first
+
+
+@tdl.jit
+def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, stride_bk, stride_bn,
+                   chunk, n_chunks, push_src, push_stride, push_len, push_limit,
+                   ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                   PUSHERS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``c`` [WORLD * m, N] (contiguous) = A @ ``b`` [K, N], where rows ``[s * m, (s + 1) * m)``
+    of A are rank ``s``'s shard: ``own`` for this rank, ``slots + s * slot_stride`` for the
+    others (each contiguous [m, K]). ``a_out`` [WORLD * m, K] gets A as well. ``IEEE``: float32
+    products in full precision (as torch.matmul), not TF32. ``UPCAST``: multiply in float32 (the
+    interpreter's dot of 16-bit floats is wrong in Triton 3.9)."""
+    pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
+                                                    slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
+                                                    BLOCK, ALIGN, PUSHERS)
+    if pid >= 0:
+        row_blocks = (m + BM - 1) // BM
+        col_blocks = (N + BN - 1) // BN
+        per_shard = row_blocks * col_blocks
+        offs_k = tl.arange(0, BK)
+        for t in range(pid, WORLD * per_shard, nprog):
+            s = (ME + t // per_shard) % WORLD
+            rb = (t % per_shard) // col_blocks
+            cb = t % col_blocks
+            rows = rb * BM + tl.arange(0, BM)
+            cols = cb * BN + tl.arange(0, BN)
+            if s == ME:
+                a = own
+            else:
+                first = (rb * BM * K) // chunk
+                last = (tl.minimum(rb * BM + BM, m) * K - 1) // chunk
+                for k in range(first, last + 1):
+                    tdl.wait(ctx, ready + s * KMAX + k, 1)
+                a = slots + s * slot_stride
+            acc = tl.full((BM, BN), 0.0, tl.float32)  # (tl.zeros is a jit function the interpreter cannot call)
+            for k0 in range(0, K, BK):
+                ks = k0 + offs_k
+                a_mask = (rows[:, None] < m) & (ks[None, :] < K)
+                a_tile = tl.load(a + rows[:, None].to(tl.int64) * K + ks[None, :], mask=a_mask, other=0.0)
+                b_tile = tl.load(b + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                                 mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+                if UPCAST:
+                    acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc)
+                elif IEEE:
+                    acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_tile, b_tile, acc)
+                if cb == 0:
+                    tl.store(a_out + (s * m + rows)[:, None].to(tl.int64) * K + ks[None, :], a_tile,
+                             mask=a_mask)
+            out_rows = (s * m + rows)[:, None].to(tl.int64)
+            tl.store(c + out_rows * N + cols[None, :], acc.to(c.dtype.element_ty),
+                     mask=(rows[:, None] < m) & (cols[None, :] < N))
