@@ -79,6 +79,15 @@ def specialisations():
             "UPCAST": "constexpr"}, {
                 "ME": 1, "WORLD": 4, "KMAX": 64, "BM": 128, "BN": 128, "BK": 64, "BLOCK": 8192,
                 "ALIGN": 8 if dt == "bf16" else 4, "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}
+    for dt in ("bf16", "fp32"):
+        yield overlap.gemm_rs_kernel, {
+            "ctx": "*i64", "a": f"*{dt}", "b": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
+            "ready": "*i64", "counters": "*i64", "m": "i32", "N": "i32", "K": "i32", "stride_am": "i64",
+            "stride_ak": "i64", "stride_bk": "i64", "stride_bn": "i64", "ME": "constexpr", "WORLD": "constexpr",
+            "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr",
+            "UPCAST": "constexpr"}, {
+                "ME": 2, "WORLD": 4, "KMAX": 64, "BM": 128, "BN": 128, "BK": 64, "IEEE": dt == "fp32",
+                "UPCAST": False}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):

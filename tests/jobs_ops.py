@@ -69,11 +69,13 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fu
     chk.done()
 
 
-def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op):
+def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused=False):
     """Rank r has A_r [ws*m, k] and B_r [k, n]; out_r = rows r of OP_r(A_r @ B_r)."""
-    chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}]")
+    chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}, {shape}]")
     d = dt(dtype)
-    m, k, n = 3, 6, 5
+    m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50)}[shape]
+    executor = torch_tdist.get_executor()
+    fused_before = executor.fused_calls["matmul_reduce_scatter"]
     a = {r: _operand([ws * m, k], d, seed, 300 + r) for r in range(ws)}
     b = {r: _operand([k, n], d, seed, 400 + r) for r in range(ws)}
     w = {r: _operand([m, n], d, seed, 500 + r) for r in range(ws)}
@@ -83,6 +85,8 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op):
     out = torch_tdist.ops.matmul_reduce_scatter(mine_a, mine_b, reduce_op=reduce_op)
     total = sum(a[r].double() @ b[r].double() for r in range(ws)) * scale
     _close(chk, out, total.chunk(ws)[rank], "output")
+    served = executor.fused_calls["matmul_reduce_scatter"] - fused_before
+    chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     (out * w[rank]).sum().backward()
 
     grad_c = torch.cat([w[r].double() for r in range(ws)]) * scale  # d loss / d (A_rank @ B_rank)

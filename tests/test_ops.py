@@ -50,6 +50,14 @@ def test_overlapped_all_gather_matmul(fused_pool, dtype, shape, n_bs, seed):
     fused_pool.run(J.all_gather_matmul, dtype, seed, 0, n_bs, shape, True, timeout=240)
 
 
+@ws_param([2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape,reduce_op", [("small", "sum"), ("tiles", "avg")])
+def test_overlapped_matmul_reduce_scatter(fused_pool, dtype, shape, reduce_op, seed):
+    """The fused kernel: partial products sent as they are made, reduced by their owner."""
+    fused_pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op, shape, True, timeout=240)
+
+
 @ws_param([2, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])

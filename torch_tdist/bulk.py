@@ -70,14 +70,15 @@ class BulkPath:
         self.heap, self.rank, self.world = heap, heap.rank, world
         self.device = heap.device
         self._launch, self._accumulator = launch, accumulator
-        # int64 flags: start[world], then ready[2 sets][world][KMAX]
-        flag_bytes = -(-(world + 2 * world * KMAX) * 8 // 256) * 256
+        # int64 flags: start[world], then ready[2 sets][world][KMAX], then (local) tile
+        # counters[world][KMAX] of kernels that make a chunk with several programs
+        flag_bytes = -(-(world + 3 * world * KMAX) * 8 // 256) * 256
         if nbytes <= flag_bytes:
             raise ValueError("tdist: the symmetric heap is too small for the bulk path; raise "
                              "TDIST_HEAP_SIZE (or the backend option 'heap_size')")
         self._flags_offset, self._data_offset = offset, offset + flag_bytes
         self._data_bytes = nbytes - flag_bytes
-        self._flags = heap.view(offset, (world + 2 * world * KMAX,), torch.int64)
+        self._flags = heap.view(offset, (world + 3 * world * KMAX,), torch.int64)
         self._data = {}
         self._streams = Streams(heap.device)
         self.in_flight = False  # a call passed its start barrier and has not returned
@@ -238,6 +239,23 @@ class BulkPath:
         consume(src, self._slots(dtype), n, self._flags[self._ready_index(0, 0, 0):], chunk, n_chunks,
                 grid, push_args, pushers)
         self._done_with(0)
+        self._streams.join(self.world - 1)
+        self.in_flight = False
+
+    def reduce_scatter_produced(self, op: str, call_word: int, out: torch.Tensor, rows: int, chunk: int,
+                                reduce_op: str, produce):
+        """reduce_scatter whose parts a kernel makes straight into the peers' slots: ``out``
+        (flat, ``rows`` x its row length) = OP over ranks of their parts for this rank.
+        ``produce(slots, slot_stride, ready, counters)`` launches the kernel, which raises a
+        rank's flag for each ``chunk`` elements of its part (``slot_stride`` elements, one round:
+        ``fits_one_round``; at most KMAX chunks)."""
+        n, dtype = out.numel(), out.dtype
+        n_chunks = max(1, -(-n // chunk))
+        self._start_barrier(op, self._signature(call_word, n, n_chunks))
+        slots = self._slots(dtype)
+        produce(slots, n, self._flags[self._ready_index(0, 0, 0):], self._flags[self._ready_index(2, 0, 0):])
+        self._reduce(op, slots[self.rank * n:], slots, n, 0, out, n, chunk, n_chunks, reduce_op,
+                     offsets=(self.rank * n, chunk), push=None)
         self._streams.join(self.world - 1)
         self.in_flight = False
 

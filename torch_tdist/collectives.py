@@ -18,7 +18,7 @@ import torch
 import triton.language as tl
 
 from . import language
-from .bulk import PUSHERS, BulkPath
+from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
@@ -66,13 +66,14 @@ OVERLAPS = ("auto", "fused", "sequential")
 # usual H100/H200 bf16 shape on GPUs (to be tuned on the device).
 GEMM_TILES_INTERPRET = {"BM": 16, "BN": 16, "BK": 16}
 GEMM_TILES = {"BM": 128, "BN": 128, "BK": 64, "num_stages": 3}
+GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
 _CALL_CODE = {"all_gather_into_tensor": 1, "all_gather": 1, "reduce_scatter_tensor": 2,
               "reduce_scatter": 2, "all_reduce": 3, "reduce": 4, "all_to_all_single": 5,
               "all_to_all": 5, "broadcast": 6, "scatter": 7, "gather": 8, "barrier": 9,
-              "all_gather_matmul": 10}
+              "all_gather_matmul": 10, "matmul_reduce_scatter": 11}
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(
     (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
      torch.int8, torch.uint8), start=1)}
@@ -564,6 +565,32 @@ class Executor:
 
         self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_consumed(op_, word, flat, consume),
                         out, src)
+        return True
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                              reduce_op: str) -> bool:
+        """``out`` [m, N] = rows [rank * m, (rank + 1) * m) of OP over ranks of ``a`` [world * m,
+        K] @ ``b`` [K, N], each rank's rows sent as the matmul makes them
+        (``triton_kernels/overlap.py``). On the caller's stream. False, having done nothing, when
+        the parts do not fit the bulk area in one round or come in more than KMAX row blocks."""
+        op = "matmul_reduce_scatter"
+        self._begin(op, a)
+        m, n = out.shape
+        tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
+        row_blocks = -(-m // tiles["BM"])
+        if not self._bulk.fits_one_round(out.numel(), out.dtype) or row_blocks > KMAX:
+            return False
+        self.fused_calls[op] += 1
+        warps = {} if language.INTERPRET else {"num_warps": 8}
+
+        def produce(slots, slot_stride, ready, counters):
+            self._launch(op, overlap.gemm_rs_kernel, (GEMM_PROGRAMS,), self._heap.ctx, a, b, slots, slot_stride,
+                         ready, counters, m, n, a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                         ME=self.rank, WORLD=self.world_size, KMAX=KMAX, IEEE=out.dtype == torch.float32,
+                         UPCAST=language.INTERPRET, **tiles, **warps)
+
+        self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_produced(
+            op_, word, flat, m, tiles["BM"] * n, reduce_op, produce), out.view(-1), a)
         return True
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):

@@ -184,7 +184,24 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
                            reduce_op: str) -> Tensor:
     group = _group(group_name)
     dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
+    fused = _fused_matmul_reduce_scatter(a, b, group, reduce_op) if dim == 0 else None
+    if fused is not None:
+        return fused
     return _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group)
+
+
+def _fused_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str):
+    """The overlapped kernels (``Executor.matmul_reduce_scatter``) for a scatter along dim 0, or
+    None where the group's policy (``TDIST_OVERLAP``) or the heap says sequential."""
+    executor = get_executor(group)
+    if executor.overlap != "fused":
+        return None
+    world = group.size()
+    rows = a.reshape(-1, a.shape[-1])
+    out = a.new_empty((rows.shape[0] // world, b.shape[1]))
+    if not executor.matmul_reduce_scatter(rows, b, out, reduce_op):
+        return None
+    return out.view(a.shape[0] // world, *a.shape[1:-1], b.shape[1])
 
 
 def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:

@@ -7,6 +7,11 @@ persistent programs take output tiles shard by shard, this rank's own shard firs
 others in rank order from it (the order they are likely to land in), and wait only for the chunks
 a tile's rows live in. With ``PUSHERS``, the kernel's first programs push this rank's shard to
 its peers (``bulk._pushers_first``).
+
+``gemm_rs_kernel``: the partial products of matmul + reduce-scatter, made in the order of the rank
+they are for (the next rank first, this rank's own rows last) and stored straight into that
+rank's slot for this rank; when the last tile of a row block is there, the rank's flag for that
+block rises. The owner's ``reduce_chunks_kernel`` sums each row block as its flags come up.
 """
 
 import triton.language as tl
@@ -17,6 +22,18 @@ from .bulk import _pushers_first
 
 
 @tdl.jit
+def _mma(acc, a_tile, b_tile, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a_tile @ b_tile``. ``IEEE``: float32 products in full precision (as torch.matmul),
+    not TF32. ``UPCAST``: multiply in float32 (the interpreter's dot of 16-bit floats is wrong in
+    Triton 3.9)."""
+    if UPCAST:
+        return tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc)
+    if IEEE:
+        return tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+    return tl.dot(a_tile, b_tile, acc)
+
+
+@tdl.jit
 def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, stride_bk, stride_bn,
                    chunk, n_chunks, push_src, push_stride, push_len, push_limit,
                    ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr, BM: tl.constexpr,
@@ -24,9 +41,8 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, st
                    PUSHERS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """``c`` [WORLD * m, N] (contiguous) = A @ ``b`` [K, N], where rows ``[s * m, (s + 1) * m)``
     of A are rank ``s``'s shard: ``own`` for this rank, ``slots + s * slot_stride`` for the
-    others (each contiguous [m, K]). ``a_out`` [WORLD * m, K] gets A as well. ``IEEE``: float32
-    products in full precision (as torch.matmul), not TF32. ``UPCAST``: multiply in float32 (the
-    interpreter's dot of 16-bit floats is wrong in Triton 3.9)."""
+    others (each contiguous [m, K]). ``a_out`` [WORLD * m, K] gets A as well. ``IEEE``,
+    ``UPCAST``: see ``_mma``."""
     pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
                                                     slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
                                                     BLOCK, ALIGN, PUSHERS)
@@ -56,15 +72,51 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, st
                 a_tile = tl.load(a + rows[:, None].to(tl.int64) * K + ks[None, :], mask=a_mask, other=0.0)
                 b_tile = tl.load(b + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                                  mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-                if UPCAST:
-                    acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc)
-                elif IEEE:
-                    acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_tile, b_tile, acc)
+                acc = _mma(acc, a_tile, b_tile, IEEE, UPCAST)
                 if cb == 0:
                     tl.store(a_out + (s * m + rows)[:, None].to(tl.int64) * K + ks[None, :], a_tile,
                              mask=a_mask)
             out_rows = (s * m + rows)[:, None].to(tl.int64)
             tl.store(c + out_rows * N + cols[None, :], acc.to(c.dtype.element_ty),
                      mask=(rows[:, None] < m) & (cols[None, :] < N))
+
+
+@tdl.jit
+def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, N, K, stride_am, stride_ak,
+                   stride_bk, stride_bn, ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Rows ``[d * m, (d + 1) * m)`` of ``a`` [WORLD * m, K] @ ``b`` [K, N] go to rank ``d``'s
+    slot ``ME`` (``slots + ME * slot_stride`` there, row-major [m, N]). Row block ``rb`` (``BM``
+    rows) of it done, ``ready + ME * KMAX + rb`` rises on ``d``; ``counters + d * KMAX + rb``
+    (this rank's, zero before and after) counts its finished tiles. Rank ``ME``'s own rows go to
+    its own slot, with no flag (the reduction runs after this kernel on the same stream)."""
+    row_blocks = (m + BM - 1) // BM
+    col_blocks = (N + BN - 1) // BN
+    per_rank = row_blocks * col_blocks
+    offs_k = tl.arange(0, BK)
+    mine = slots + ME * slot_stride.to(tl.int64)
+    for t in range(tl.program_id(0), WORLD * per_rank, tl.num_programs(0)):
+        d = (ME + 1 + t // per_rank) % WORLD
+        rb = (t % per_rank) // col_blocks
+        cb = t % col_blocks
+        rows = rb * BM + tl.arange(0, BM)
+        cols = cb * BN + tl.arange(0, BN)
+        a_rows = (d * m + rows)[:, None].to(tl.int64)
+        acc = tl.full((BM, BN), 0.0, tl.float32)  # (tl.zeros is a jit function the interpreter cannot call)
+        for k0 in range(0, K, BK):
+            ks = k0 + offs_k
+            a_tile = tl.load(a + a_rows * stride_am + ks[None, :] * stride_ak,
+                             mask=(rows[:, None] < m) & (ks[None, :] < K), other=0.0)
+            b_tile = tl.load(b + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                             mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+            acc = _mma(acc, a_tile, b_tile, IEEE, UPCAST)
+        there = tdl.symm_at(ctx, mine, d)
+        tl.store(there + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(there.dtype.element_ty),
+                 mask=(rows[:, None] < m) & (cols[None, :] < N))
+        tl.debug_barrier()  # every thread's stores before the (one-thread) count below
+        done = tl.atomic_add(counters + d * KMAX + rb, 1, sem="acq_rel", scope="sys")
+        if done == col_blocks - 1:  # the block's last tile: its other tiles are visible here
+            tl.atomic_xchg(counters + d * KMAX + rb, 0, sem="relaxed", scope="gpu")
+            if d != ME:
+                tdl.notify(ctx, ready + ME * KMAX + rb, d, 1)
