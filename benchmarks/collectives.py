@@ -12,8 +12,6 @@ TDIST_GPU_SIZE_LIMITS=0 makes tdist's kernels serve every size (to measure them)
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import time
 
@@ -25,6 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
+from timing import host, machine, slowest, time_loop_us, versions  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
@@ -92,31 +91,11 @@ def _time(op, group, inp, out, warmup, iters):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return _slowest(statistics.median(times))
+    return slowest(statistics.median(times), _cpu_group)
 
 
-def _slowest(value):
-    """The slowest rank's figure: a rank that finishes early (a broadcast source) proves nothing."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group)
-    return t.item()
-
-
-def _time_loop(op, group, inp, out, iters, reps=5):
-    """Microseconds per call when ``iters`` calls are issued back to back (nccl-tests' way):
-    host overhead hides behind GPU time where it is smaller. Median of ``reps`` loops."""
-    per_call = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            _call(op, group, inp, out)
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / iters)
-    return _slowest(statistics.median(per_call))
+def _time_loop(op, group, inp, out, iters):
+    return time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group, barrier_group=group)
 
 
 def _host_overhead_us(group, device, calls=500):
@@ -185,13 +164,8 @@ def main():
                       f"nccl {r['nccl_us']:>8.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x  "
                       f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us", flush=True)
     if rank == 0:
-        machine = os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_"))
-        import triton
-
-        result = {"machine": machine, "host": socket.gethostname(),
-                  "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                               "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                               "python": platform.python_version(), "tdist": torch_tdist.__version__},
+        name = machine(world)
+        result = {"machine": name, "host": host(), "versions": versions(),
                   "method": (f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): "
                              f"{args.iters} calls back to back per timed loop (CUDA events), median "
                              f"of 5 loops, after {args.warmup} warm-ups (nccl-tests' way). "
@@ -202,7 +176,7 @@ def main():
                                   and os.environ.get("TDIST_ALGORITHM", "auto") == "auto"),
                   "host_overhead_us": overhead, "rows": rows}
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"collectives_{machine}.json")
+        path = os.path.join(args.out, f"collectives_{name}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print("wrote", path)

@@ -2,8 +2,9 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|bench|soak|moe|badinput|all]   (all: demo, test, bench, moe)
+#   bash benchmarks/device_run.sh [demo|test|bench|overlap|soak|moe|badinput|all]   (all: demo, test, bench, moe)
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
+# overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
@@ -39,5 +40,9 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = overlap ]; then
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    benchmarks/overlap.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/overlap.log" || rc=1
 fi
 exit $rc

@@ -1,0 +1,147 @@
+"""torch_tdist.ops against NCCL + torch.matmul and torch's symm_mem fused ops, side by side.
+
+    torchrun --nproc-per-node 4 benchmarks/overlap.py [--shapes 8192x4096x12288,...] [--out DIR]
+
+Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
+rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
+each shape and op, in one job: tdist (a group with TDIST_OVERLAP=fused; ``path`` says whether the
+fused kernel served it), the sequential path (NCCL collective, then torch.matmul, or the
+reverse), ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
+timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
+``--warmup``, the slowest rank's. Rank 0 writes ``overlap_<machine>.json``; ``python
+benchmarks/plot_overlap.py <json>`` draws the speedups.
+"""
+
+import argparse
+import json
+import os
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402
+from timing import host, machine, time_loop_us, versions  # noqa: E402
+
+# DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
+SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
+          "8192x8192x30720,8192x14336x4096,8192x28672x8192,8192x29568x8192")
+
+
+def _operands(op, m, n, k, world, device, gen):
+    def rand(*shape):
+        return torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16)
+    if op == "ag_gemm":
+        return rand(m // world, k), rand(k, n // world)
+    return rand(m, k // world), rand(k // world, n)
+
+
+def _calls(op, a, b, world, tdist_group, symm_group_name):
+    """name -> a function making one call of that variant."""
+    if op == "ag_gemm":
+        gathered = torch.empty(world * a.shape[0], a.shape[1], device=a.device, dtype=a.dtype)
+
+        def collective():
+            dist.all_gather_into_tensor(gathered, a)
+
+        def sequential():
+            collective()
+            return gathered @ b
+        return {"tdist": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=tdist_group),
+                "sequential": sequential, "matmul": lambda: gathered @ b, "collective": collective,
+                "symm_mem": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+                    a, [b], gather_dim=0, group_name=symm_group_name)}
+    product = a @ b
+    scattered = torch.empty(product.shape[0] // world, product.shape[1], device=a.device, dtype=a.dtype)
+
+    def collective():
+        dist.reduce_scatter_tensor(scattered, product)
+
+    def sequential():
+        dist.reduce_scatter_tensor(scattered, a @ b)
+        return scattered
+    return {"tdist": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=tdist_group),
+            "sequential": sequential, "matmul": lambda: a @ b, "collective": collective,
+            "symm_mem": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                a, b, "sum", scatter_dim=0, group_name=symm_group_name)}
+
+
+def _relative_error(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default=SHAPES, help="MxNxK,...")
+    parser.add_argument("--ops", default="ag_gemm,gemm_rs")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    os.environ["TDIST_OVERLAP"] = "fused"
+    tdist_group = dist.new_group(backend="tdist")
+    cpu_group = dist.new_group(backend="gloo")
+    symm_group_name = dist.group.WORLD.group_name
+    try:
+        from torch.distributed import _symmetric_memory
+
+        _symmetric_memory.enable_symm_mem_for_group(symm_group_name)
+    except Exception as err:  # noqa: BLE001 - recorded, the other columns still run
+        print(f"symm_mem unavailable: {err}")
+    executor = torch_tdist.get_executor(tdist_group)
+    gen = torch.Generator(device).manual_seed(1234 + rank)
+    rows = []
+    for op in args.ops.split(","):
+        for shape in args.shapes.split(","):
+            m, n, k = (int(v) for v in shape.split("x"))
+            a, b = _operands(op, m, n, k, world, device, gen)
+            calls = _calls(op, a, b, world, tdist_group, symm_group_name)
+            fused_name = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}[op]
+            before = executor.fused_calls[fused_name]
+            error = _relative_error(calls["tdist"](), calls["sequential"]())
+            path = "fused" if executor.fused_calls[fused_name] > before else "sequential"
+            row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
+                   "relative_error": round(error, 5)}
+            for name, fn in calls.items():
+                try:
+                    for _ in range(args.warmup):
+                        fn()
+                    row[f"{name}_us"] = round(time_loop_us(fn, args.iters, cpu_group), 1)
+                except Exception as err:  # noqa: BLE001 - symm_mem may be missing on this build
+                    row[f"{name}_us"] = None
+                    row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:200]
+            rows.append(row)
+            if rank == 0:
+                ratio = row["sequential_us"] / row["tdist_us"]
+                symm = row.get("symm_mem_us")
+                print(f"{op} {shape:<18} {path:<10} tdist {row['tdist_us']:>8.1f} us  sequential "
+                      f"{row['sequential_us']:>8.1f} ({ratio:4.2f}x)  symm_mem {symm}  matmul "
+                      f"{row['matmul_us']:>8.1f}  collective {row['collective_us']:>8.1f}  err {error:.1e}",
+                      flush=True)
+            del a, b, calls
+            torch.cuda.empty_cache()
+    if rank == 0:
+        name = machine(world)
+        result = {"machine": name, "host": host(), "versions": versions(),
+                  "method": (f"bf16, slowest rank; {args.iters} calls back to back per timed loop "
+                             f"(CUDA events), median of 5 loops after {args.warmup} warm-ups; "
+                             f"relative_error: tdist against the sequential path"),
+                  "heap_size": os.environ.get("TDIST_HEAP_SIZE"), "rows": rows}
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"overlap_{name}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
