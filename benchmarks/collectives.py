@@ -10,7 +10,6 @@ TDIST_GPU_SIZE_LIMITS=0 makes tdist's kernels serve every size (to measure them)
 """
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import host, machine, slowest, time_loop_us, versions  # noqa: E402
+from timing import slowest, time_loop_us, write_result  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
@@ -164,22 +163,15 @@ def main():
                       f"nccl {r['nccl_us']:>8.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x  "
                       f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us", flush=True)
     if rank == 0:
-        name = machine(world)
-        result = {"machine": name, "host": host(), "versions": versions(),
-                  "method": (f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): "
-                             f"{args.iters} calls back to back per timed loop (CUDA events), median "
-                             f"of 5 loops, after {args.warmup} warm-ups (nccl-tests' way). "
-                             f"*_single_us: one call after a barrier, median of {args.iters}: "
-                             f"host launch time and rank skew included, noisy"),
-                  "algorithm": os.environ.get("TDIST_ALGORITHM", "auto"),
-                  "size_limits": (os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0"
-                                  and os.environ.get("TDIST_ALGORITHM", "auto") == "auto"),
-                  "host_overhead_us": overhead, "rows": rows}
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"collectives_{name}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+        algorithm = os.environ.get("TDIST_ALGORITHM", "auto")
+        write_result(args.out, "collectives", world,
+                     f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): {args.iters} calls "
+                     f"back to back per timed loop (CUDA events), median of 5 loops, after {args.warmup} "
+                     f"warm-ups (nccl-tests' way). *_single_us: one call after a barrier, median of "
+                     f"{args.iters}: host launch time and rank skew included, noisy", rows,
+                     algorithm=algorithm,
+                     size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
+                     host_overhead_us=overhead)
     dist.destroy_process_group()
 
 

@@ -9,11 +9,10 @@ fused kernel served it), the sequential path (NCCL collective, then torch.matmul
 reverse), ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
 ``--warmup``, the slowest rank's. Rank 0 writes ``overlap_<machine>.json``; ``python
-benchmarks/plot_overlap.py <json>`` draws the speedups.
+benchmarks/plot.py <json>`` draws the speedups.
 """
 
 import argparse
-import json
 import os
 
 for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -24,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import host, machine, time_loop_us, versions  # noqa: E402
+from timing import time_loop_us, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -129,17 +128,10 @@ def main():
             del a, b, calls
             torch.cuda.empty_cache()
     if rank == 0:
-        name = machine(world)
-        result = {"machine": name, "host": host(), "versions": versions(),
-                  "method": (f"bf16, slowest rank; {args.iters} calls back to back per timed loop "
-                             f"(CUDA events), median of 5 loops after {args.warmup} warm-ups; "
-                             f"relative_error: tdist against the sequential path"),
-                  "heap_size": os.environ.get("TDIST_HEAP_SIZE"), "rows": rows}
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"overlap_{name}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", path)
+        write_result(args.out, "overlap", world,
+                     f"bf16, slowest rank; {args.iters} calls back to back per timed loop (CUDA events), "
+                     f"median of 5 loops after {args.warmup} warm-ups; relative_error: tdist against the "
+                     f"sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
     dist.destroy_process_group()
 
 

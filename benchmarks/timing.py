@@ -1,6 +1,8 @@
 """What the benchmark scripts share: GPU timing loops, the slowest rank's figure, and the machine
 and versions every results file records."""
 
+import json
+import os
 import platform
 import socket
 import statistics
@@ -37,8 +39,6 @@ def time_loop_us(fn, iters: int, cpu_group, reps: int = 5, barrier_group=None) -
 
 
 def machine(world: int) -> str:
-    import os
-
     return os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_"))
 
 
@@ -52,3 +52,16 @@ def versions() -> dict:
 
 def host() -> str:
     return socket.gethostname()
+
+
+def write_result(out_dir: str, kind: str, world: int, method: str, rows: list, **fields) -> str:
+    """``<out_dir>/<kind>_<machine>.json`` with the machine, host, versions, ``method``, any
+    other ``fields`` and the ``rows``; returns its path."""
+    name = machine(world)
+    result = {"machine": name, "host": host(), "versions": versions(), "method": method, **fields, "rows": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{kind}_{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+    return path
