@@ -29,7 +29,7 @@ def _operand(shape, d, seed, salt):
     return rand(shape, d, shared_gen(seed, salt), "sum")
 
 
-SHAPES = {"small": (3, 8, [5, 4, 6]), "tiles": (37, 40, [50, 18, 33])}  # m, k, [n per B]
+SHAPES = {"small": (3, 8, [5, 4, 6]), "tiles": (37, 40, [50, 18, 33]), "big": (300, 40, [50])}  # m, k, [n per B]
 
 
 def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fused=False):
@@ -73,7 +73,7 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     """Rank r has A_r [ws*m, k] and B_r [k, n]; out_r = rows r of OP_r(A_r @ B_r)."""
     chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}, {shape}]")
     d = dt(dtype)
-    m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50)}[shape]
+    m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50), "big": (300, 40, 50)}[shape]
     executor = torch_tdist.get_executor()
     fused_before = executor.fused_calls["matmul_reduce_scatter"]
     a = {r: _operand([ws * m, k], d, seed, 300 + r) for r in range(ws)}

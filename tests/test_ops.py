@@ -36,6 +36,16 @@ def fused_pool(world_size, request):
     yield _FUSED[key]
 
 
+@pytest.fixture
+def fused_small_heap_pool(world_size):
+    """Fused ops asked for, but a 64K heap: shards larger than its bulk area take the sequential path."""
+    key = (world_size, "small heap")
+    if key not in _FUSED:
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, fused, 64K heap)",
+                               env={"TDIST_OVERLAP": "fused", "TDIST_HEAP_SIZE": "64K"})
+    yield _FUSED[key]
+
+
 def teardown_module():
     for pool in _FUSED.values():
         pool.shutdown()
@@ -92,3 +102,11 @@ def test_ops_bad_input(pool, case):
         assert got_kind == kind, f"{case}: {got_kind}: {message}"
         for word in words:
             assert word in message, f"{case}: {word!r} not in {message!r}"
+
+
+@ws_param([2])
+def test_overlapped_ops_larger_than_the_heap_take_the_sequential_path(fused_small_heap_pool, seed):
+    # 16K of bulk slots: the "small" shapes fit (fused), the "tiles" ones do not (sequential)
+    fused_small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "small", True, timeout=120)
+    fused_small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", False, timeout=120)
+    fused_small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "sum", "big", False, timeout=120)
