@@ -77,6 +77,13 @@ PYBIND11_MODULE(_C, m) {
           "set_gpu_uneven_all_to_all",
           &ProcessGroupTDist::setGpuUnevenAllToAll,
           py::arg("served"))
+      .def(
+          "abort",
+          &ProcessGroupTDist::abort,
+          py::call_guard<py::gil_scoped_release>(),
+          "Abort the group: its waits give up and every later call raises.")
+      .def_property_readonly(
+          "abort_word_address", &ProcessGroupTDist::abortWordAddress)
       .def_property_readonly("executor", &ProcessGroupTDist::executor)
       .def_property_readonly(
           "served_devices", &ProcessGroupTDist::servedDevices)

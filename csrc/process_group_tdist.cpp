@@ -1,6 +1,8 @@
 #include "process_group_tdist.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -565,6 +567,15 @@ ProcessGroupTDist::ProcessGroupTDist(
     TORCH_CHECK_VALUE(backend, "tdist: fallback for ", name, " is None");
     fallbacks_[c10::Device(name).type()] = backend;
   }
+  // The abort word: a page of its own, so that a GPU can map it (cudaHostRegister).
+  void* page = nullptr;
+  TORCH_CHECK(posix_memalign(&page, 4096, 4096) == 0, "tdist: no memory for the abort word");
+  std::memset(page, 0, 4096);
+  abortWord_.reset(static_cast<int64_t*>(page));
+  py::object ex = executor_.get();
+  if (py::hasattr(ex, "attach_abort_word")) {
+    ex.attr("attach_abort_word")(reinterpret_cast<uintptr_t>(page));
+  }
   init();
 }
 
@@ -581,9 +592,33 @@ void ProcessGroupTDist::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void ProcessGroupTDist::abort() {
+  abortWith("abort() was called");
   for (auto& entry : fallbacks_) {
     entry.second->abort();
   }
+}
+
+void ProcessGroupTDist::abortWith(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(abortMutex_);
+    if (!aborted_.load()) {
+      abortReason_ = reason;
+      aborted_.store(true, std::memory_order_release);
+    }
+  }
+  // kernels and host-side waits poll this word
+  __atomic_store_n(abortWord_.get(), int64_t{1}, __ATOMIC_RELEASE);
+}
+
+void ProcessGroupTDist::checkNotAborted(Op op) const {
+  if (!aborted_.load(std::memory_order_acquire)) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(abortMutex_);
+  C10_THROW_ERROR(
+      DistBackendError,
+      prefix(op) + "this group was aborted (" + abortReason_ +
+          "); destroy it and create a new one");
 }
 
 void ProcessGroupTDist::shutdown() {
@@ -768,6 +803,7 @@ void ProcessGroupTDist::setGpuUnevenAllToAll(bool served) {
 
 c10d::Backend& ProcessGroupTDist::fallbackFor(Op op, c10::DeviceType type)
     const {
+  checkNotAborted(op);
   auto it = fallbacks_.find(type);
   TORCH_CHECK(
       it != fallbacks_.end(),
@@ -868,6 +904,7 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
     std::optional<c10::Device> device) {
+  checkNotAborted(op);
   auto work = c10::make_intrusive<TDistWork>(
       rank_, type, kProfilingTitles[static_cast<int>(op)], inputs, outputs);
   if (!device) {

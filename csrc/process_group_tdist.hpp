@@ -151,6 +151,11 @@ class ProcessGroupTDist : public c10d::Backend {
   // Both forward to the fallbacks; shutdown() first calls executor.close()
   // when the executor has one.
   void abort() override;
+  // Sets the abort word (waits give up) and makes every later call raise.
+  void abortWith(const std::string& reason);
+  uintptr_t abortWordAddress() const {
+    return reinterpret_cast<uintptr_t>(abortWord_.get());
+  }
   void shutdown() override;
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
@@ -341,6 +346,11 @@ class ProcessGroupTDist : public c10d::Backend {
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> shutDown_{false};
+  std::unique_ptr<int64_t, decltype(&std::free)> abortWord_{nullptr, &std::free};
+  std::atomic<bool> aborted_{false};
+  std::string abortReason_; // set once, before aborted_
+  mutable std::mutex abortMutex_;
+  void checkNotAborted(Op op) const;
 };
 
 } // namespace tdist

@@ -32,3 +32,35 @@ def subgroup_cycles(rank, ws, cycles, seed):
             warm_rss = _rss_mb()  # allocator pools and caches have settled by now
     return {"maps": _tdist_mappings() - start_maps, "rss_growth_mb": _rss_mb() - warm_rss,
             "start_rss_mb": start_rss}
+
+
+def abort_unblocks_a_waiting_call(rank, ws):
+    """On a fresh subgroup, rank 0 starts an all_reduce the others never join and aborts the
+    group from another thread 1 s later. Returns (first call's error, seconds it waited, the
+    errors of a later all_reduce and a later fallback call) on rank 0, None elsewhere."""
+    import threading
+    import time
+
+    from torch_tdist.backend import _tdist_backend
+
+    g = dist.new_group(backend="tdist")
+    x = torch.ones(1000)
+    dist.all_reduce(x, group=g)  # the heap exists, the kernel is compiled
+    assert x[0].item() == ws
+    if rank != 0:
+        time.sleep(3)
+        return None
+    threading.Timer(1.0, _tdist_backend(g).abort).start()
+    errors = []
+    start = time.monotonic()
+    for call in (lambda: dist.all_reduce(x, group=g),
+                 lambda: dist.all_reduce(x, group=g),
+                 lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), group=g)):  # Gloo's
+        try:
+            call()
+            errors.append("no error")
+        except Exception as err:  # noqa: BLE001 - the test checks the message
+            errors.append(f"{type(err).__name__}: {err}")
+        if len(errors) == 1:
+            waited = time.monotonic() - start
+    return errors[0], waited, errors[1], errors[2]

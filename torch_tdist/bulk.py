@@ -80,7 +80,7 @@ class BulkPath:
         self._data_bytes = nbytes - flag_bytes
         self._flags = heap.view(offset, (world + 3 * world * KMAX,), torch.int64)
         self._data = {}
-        self._streams = Streams(heap.device)
+        self._streams = Streams(heap.device, heap.abort_address)
         self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
 

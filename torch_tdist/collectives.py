@@ -128,6 +128,7 @@ class Executor:
         self._views = {}
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
+        self._abort_address = 0  # the C++ backend's abort word (attach_abort_word)
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
@@ -158,7 +159,7 @@ class Executor:
             return
         nbytes = self.heap_bytes or DEFAULT_HEAP_BYTES[device.type]
         heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout,
-                             device=device, transport=self.transport)
+                             device=device, transport=self.transport, abort_address=self._abort_address)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(staged.HEADER_FIXED.value, torch.int64)
@@ -220,7 +221,14 @@ class Executor:
             self._tables[key] = table
         return table
 
+    def attach_abort_word(self, address: int):
+        """The C++ backend's abort word (set by ``ProcessGroupTDist.abort()``): waits give up
+        once it is set, and calls refuse."""
+        self._abort_address = address
+
     def _begin(self, op: str, tensor: torch.Tensor | None):
+        if language.aborted(self._abort_address):
+            raise RuntimeError(f"tdist {op}: this group was aborted; destroy it and create a new one")
         if self._stopped:
             raise RuntimeError(f"tdist {op}: this group stopped after {self._stopped}; destroy it "
                                f"and create a new one")

@@ -289,12 +289,13 @@ class SymmetricHeap:
 
     ``bases``: int64 tensor on the heap's device, peer heap base addresses as mapped here.
     ``ctx``: the context tensor every tdist kernel takes first (layout in
-    ``torch_tdist.language``).
+    ``torch_tdist.language``). ``abort_address``: the host address of the group's abort word
+    (0: none); waits on the CPU give up once it is set (on GPUs not yet: ctx holds 0 there).
     """
 
     def __init__(self, store, rank: int, world_size: int, nbytes: int,
                  timeout: timedelta = timedelta(minutes=10), device="cpu",
-                 transport: str = "auto", key: str = "tdist_heap"):
+                 transport: str = "auto", key: str = "tdist_heap", abort_address: int = 0):
         """Collective over the group: every rank calls it with the same ``key``, which must
         be new in ``store`` (the group's store, already private to the group)."""
         self.rank, self.world_size, self.nbytes = rank, world_size, nbytes
@@ -317,6 +318,8 @@ class SymmetricHeap:
         ctx[language.CTX_RANK.value] = rank
         ctx[language.CTX_WORLD.value] = world_size
         ctx[language.CTX_TIMEOUT_MS.value] = int(timeout.total_seconds() * 1000)
+        self.abort_address = abort_address if self.device.type == "cpu" else 0
+        ctx[language.CTX_ABORT.value] = self.abort_address
         self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
         self.bases = self.ctx[language.CTX_BASES.value:]
         self._top = language.HEAP_ALIGN  # the first bytes hold the segment's job token

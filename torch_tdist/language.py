@@ -14,6 +14,7 @@ process per rank, peers' memory reached through shared-memory mappings. Decorate
 with :func:`jit` (not ``triton.jit``) so the choice is made once, here.
 """
 
+import ctypes
 import operator
 import os
 import time
@@ -27,6 +28,7 @@ HEAP_ALIGN = 256  # bytes; every heap base is a multiple of it (symm_at relies o
 CTX_RANK = tl.constexpr(0)
 CTX_WORLD = tl.constexpr(1)
 CTX_TIMEOUT_MS = tl.constexpr(2)
+CTX_ABORT = tl.constexpr(3)  # address of the group's abort word, 0 for none (watched on the CPU so far)
 CTX_BASES = tl.constexpr(8)
 
 
@@ -76,6 +78,15 @@ else:
 
 class PeerTimeoutError(TimeoutError):
     """A wait() in a kernel saw no signal from a peer within the group's timeout."""
+
+
+class GroupAbortedError(PeerTimeoutError):
+    """A wait gave up because the group was aborted (``ProcessGroupTDist.abort()``)."""
+
+
+def aborted(abort_address: int) -> bool:
+    """Whether the abort word at ``abort_address`` (0: none) is set."""
+    return abort_address != 0 and ctypes.c_int64.from_address(abort_address).value != 0
 
 
 @jit
@@ -145,16 +156,19 @@ def notify_add(ctx, sig, peer, value):
     tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
 
 
-def poll_until(read, satisfied, timeout_s: float, wanted: str) -> int:
+def poll_until(read, satisfied, timeout_s: float, wanted: str, abort_address: int = 0) -> int:
     """Calls ``read()`` (an int from a signal slot), sleeping between polls (ranks share few
     cores), until ``satisfied`` of it; returns it. Gives up after ``timeout_s`` with a
-    PeerTimeoutError. The host-side wait of every signal on the CPU."""
+    PeerTimeoutError, or once the abort word at ``abort_address`` is set with a
+    GroupAbortedError. The host-side wait of every signal on the CPU."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0
     while True:
         seen = read()
         if satisfied(seen):
             return seen
+        if aborted(abort_address):
+            raise GroupAbortedError(f"tdist: the group was aborted while waiting for {wanted} (saw {seen})")
         if time.monotonic() > deadline:
             raise PeerTimeoutError(f"tdist: no signal from a peer after {timeout_s:.1f} s "
                                    f"(waited for {wanted}, saw {seen})")
@@ -172,7 +186,7 @@ if INTERPRET:
         Under the interpreter the spin sleeps between polls (ranks share few cores) and gives
         up after the group's timeout.
         """
-        return _spin_to_epoch(sig, value, tl.load(ctx + CTX_TIMEOUT_MS))
+        return _spin_to_epoch(sig, value, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
@@ -183,11 +197,12 @@ if INTERPRET:
             return int(value.handle.data.reshape(-1)[0])
         return operator.index(value)
 
-    def _spin_to_epoch(sig, value, timeout_ms):
+    def _spin_to_epoch(sig, value, timeout_ms, abort_address):
         wanted = host_int(value)
-        return spin_until(sig, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}")
+        return spin_until(sig, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}",
+                          host_int(abort_address))
 
-    def spin_until(sig, satisfied, timeout_s: float, wanted: str):
+    def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
         """Polls the int64 slot ``sig`` (acquire) until ``satisfied(value)`` (see
         :func:`poll_until`); returns the value as read."""
         last = []
@@ -195,7 +210,7 @@ if INTERPRET:
         def read():
             last[:] = [tl.atomic_add(sig, 0, sem="acquire", scope="sys")]
             return host_int(last[0])
-        poll_until(read, satisfied, timeout_s, wanted)
+        poll_until(read, satisfied, timeout_s, wanted, abort_address)
         return last[0]
 
 else:

@@ -93,8 +93,9 @@ if language.INTERPRET:
         from .heap import heap_at
 
         compare, wanted = _COMPARE[_int(cmp)], _int(cmp_val)
-        return language.spin_until(sig_addr, lambda seen: compare(seen, wanted),
-                                   heap_at(_int(sig_addr)).timeout_s, f"a value {compare.__name__} {wanted}")
+        heap = heap_at(_int(sig_addr))
+        return language.spin_until(sig_addr, lambda seen: compare(seen, wanted), heap.timeout_s,
+                                   f"a value {compare.__name__} {wanted}", heap.abort_address)
 
     def fence():
         pass  # the copies above completed in program order

@@ -4,7 +4,7 @@ int64 reaches a value, copies, and fork/join between streams.
 
 On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory barrier,
 ``cuStreamWaitValue64``, ``cuMemcpyAsync``, events), a few microseconds of host time each, and
-CUDA graphs capture them. ``Streams.for_cpu()`` is the same interface where the stream is the
+CUDA graphs capture them. On the CPU the same interface works where the stream is the
 calling thread: stores, spins that give up after the group's timeout, and torch copies.
 """
 
@@ -19,14 +19,12 @@ class Streams:
     """One rank's streams for a bulk call: index 0 is the caller's current stream, the others
     side streams (created once, reused)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, abort_address: int = 0):
         self.device = device
+        self._abort_address = abort_address  # the group's abort word, watched by the CPU's waits
         self._side = []  # (torch stream, CUstream, CUevent)
         self._main_event = None
 
-    @classmethod
-    def for_cpu(cls) -> "Streams":
-        return cls(torch.device("cpu"))
 
     @property
     def on_cpu(self) -> bool:
@@ -99,7 +97,7 @@ class Streams:
         waits on (GPU waits have no timeout yet)."""
         if self.on_cpu:
             slot = ctypes.c_int64.from_address(address)
-            seen = poll_until(lambda: slot.value, lambda v: v != 0, timeout_s, what)
+            seen = poll_until(lambda: slot.value, lambda v: v != 0, timeout_s, what, self._abort_address)
             if seen != value:
                 raise ValueError(f"tdist: waited for {what}, but it made a different call (another "
                                  f"collective, dtype or element count; signature {seen:#x}, "
