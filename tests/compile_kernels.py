@@ -71,7 +71,8 @@ def specialisations():
     for dt, pushers in (("bf16", 48), ("bf16", 0), ("fp32", 0)):
         yield overlap.ag_gemm_kernel, {
             "ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64", "ready": "*i64",
-            "b": f"*{dt}", "c": f"*{dt}", "a_out": f"*{dt}", "m": "i32", "N": "i32", "K": "i32",
+            "b": f"*{dt}", "c": f"*{dt}", "a_out": f"*{dt}", "m": "i32", "row0": "i32", "m_shard": "i32",
+            "N": "i32", "K": "i32",
             "stride_bk": "i64", "stride_bn": "i64", "chunk": "i64", "n_chunks": "i64", "push_src": f"*{dt}",
             "push_stride": "i64", "push_len": "i64", "push_limit": "i64", "ME": "constexpr",
             "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
@@ -82,7 +83,8 @@ def specialisations():
     for dt in ("bf16", "fp32"):
         yield overlap.gemm_rs_kernel, {
             "ctx": "*i64", "a": f"*{dt}", "b": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
-            "ready": "*i64", "counters": "*i64", "m": "i32", "N": "i32", "K": "i32", "stride_am": "i64",
+            "ready": "*i64", "counters": "*i64", "m": "i32", "row0": "i32", "m_shard": "i32", "N": "i32",
+            "K": "i32", "stride_am": "i64",
             "stride_ak": "i64", "stride_bk": "i64", "stride_bn": "i64", "ME": "constexpr", "WORLD": "constexpr",
             "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr",
             "UPCAST": "constexpr"}, {

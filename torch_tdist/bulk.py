@@ -223,12 +223,12 @@ class BulkPath:
             self._gather(op, src[start:], self._slots(src.dtype), length, 0, out[start:], n, length,
                          self.world * n, chunk, n_chunks, offsets=(start, length, n), push=push)
 
-    def fits_one_round(self, n: int, dtype: torch.dtype) -> bool:
-        """Whether an all_gather of ``n`` elements per rank fits the slots in one round."""
-        return n <= self._slot_length(dtype, self.world)
+    def part_capacity(self, dtype: torch.dtype) -> int:
+        """Elements of each rank's part that fit the slots in one round."""
+        return self._slot_length(dtype, self.world)
 
     def all_gather_consumed(self, op: str, call_word: int, src: torch.Tensor, consume):
-        """all_gather's pushes of flat ``src`` in one round (``fits_one_round``), taken by the
+        """all_gather's pushes of flat ``src`` in one round (``part_capacity``), taken by the
         kernel ``consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args,
         pushers)`` launches instead of the gather kernel (the arguments as there)."""
         n, dtype = src.numel(), src.dtype
@@ -248,7 +248,7 @@ class BulkPath:
         (flat, ``rows`` x its row length) = OP over ranks of their parts for this rank.
         ``produce(slots, slot_stride, ready, counters)`` launches the kernel, which raises a
         rank's flag for each ``chunk`` elements of its part (``slot_stride`` elements, one round:
-        ``fits_one_round``; at most KMAX chunks)."""
+        ``part_capacity``; at most KMAX chunks)."""
         n, dtype = out.numel(), out.dtype
         n_chunks = max(1, -(-n // chunk))
         self._start_barrier(op, self._signature(call_word, n, n_chunks))

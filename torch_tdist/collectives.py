@@ -551,54 +551,59 @@ class Executor:
                           a_out: torch.Tensor) -> bool:
         """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``), the matmul taking
         each peer's rows as they land (``triton_kernels/overlap.py``); ``a`` [m, K] and ``out``
-        [world * m, N], ``a_out`` contiguous. On the caller's stream. False, having done nothing,
-        when the shards do not fit the bulk area in one round."""
+        [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many rows
+        as the bulk area holds. False, having done nothing, when not one row fits."""
         op = "all_gather_matmul"
         self._begin(op, a)
-        src = a.reshape(-1)
-        if not self._bulk.fits_one_round(src.numel(), src.dtype):
+        m, k = a.shape
+        n, dtype = b.shape[1], a.dtype
+        rows_per_round = self._bulk.part_capacity(dtype) // k
+        if rows_per_round == 0:
             return False
         self.fused_calls[op] += 1
-        m, k = a.shape
-        n = b.shape[1]
-        dtype = a.dtype
         tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
+        for row0 in range(0, m, rows_per_round):
+            rows = min(rows_per_round, m - row0)
 
-        def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
-            aligned = _aligned(dtype, (slot_stride, chunk, push_args[1]))
-            self._launch(op, overlap.ag_gemm_kernel, (grid,), self._heap.ctx, own, slots, slot_stride, ready,
-                         b, out, a_out, m, n, k, b.stride(0), b.stride(1), chunk, n_chunks, *push_args,
-                         **self._bulk.kernel_meta(dtype), **tiles, ALIGN=_vector(dtype) if aligned else 1,
-                         PUSHERS=pushers, IEEE=dtype == torch.float32, UPCAST=language.INTERPRET)
+            def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
+                aligned = _aligned(dtype, (slot_stride, chunk, push_args[1], row0 * k))
+                self._launch(op, overlap.ag_gemm_kernel, (grid,), self._heap.ctx, own, slots, slot_stride, ready,
+                             b, out, a_out, rows, row0, m, n, k, b.stride(0), b.stride(1), chunk, n_chunks,
+                             *push_args, **self._bulk.kernel_meta(dtype), **tiles,
+                             ALIGN=_vector(dtype) if aligned else 1, PUSHERS=pushers,
+                             IEEE=dtype == torch.float32, UPCAST=language.INTERPRET)
 
-        self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_consumed(op_, word, flat, consume),
-                        out, src)
+            self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_consumed(op_, word, flat, consume),
+                            out, a[row0:row0 + rows].reshape(-1))
         return True
 
     def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                               reduce_op: str) -> bool:
         """``out`` [m, N] = rows [rank * m, (rank + 1) * m) of OP over ranks of ``a`` [world * m,
         K] @ ``b`` [K, N], each rank's rows sent as the matmul makes them
-        (``triton_kernels/overlap.py``). On the caller's stream. False, having done nothing, when
-        the parts do not fit the bulk area in one round or come in more than KMAX row blocks."""
+        (``triton_kernels/overlap.py``). On the caller's stream; in rounds of as many rows as the
+        bulk area holds (at most KMAX row blocks). False, having done nothing, when not one row
+        fits."""
         op = "matmul_reduce_scatter"
         self._begin(op, a)
         m, n = out.shape
         tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
-        row_blocks = -(-m // tiles["BM"])
-        if not self._bulk.fits_one_round(out.numel(), out.dtype) or row_blocks > KMAX:
+        rows_per_round = min(self._bulk.part_capacity(out.dtype) // n, KMAX * tiles["BM"])
+        if rows_per_round == 0:
             return False
         self.fused_calls[op] += 1
         warps = {} if language.INTERPRET else {"num_warps": 8}
+        for row0 in range(0, m, rows_per_round):
+            rows = min(rows_per_round, m - row0)
 
-        def produce(slots, slot_stride, ready, counters):
-            self._launch(op, overlap.gemm_rs_kernel, (GEMM_PROGRAMS,), self._heap.ctx, a, b, slots, slot_stride,
-                         ready, counters, m, n, a.shape[1], a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                         ME=self.rank, WORLD=self.world_size, KMAX=KMAX, IEEE=out.dtype == torch.float32,
-                         UPCAST=language.INTERPRET, **tiles, **warps)
+            def produce(slots, slot_stride, ready, counters):
+                self._launch(op, overlap.gemm_rs_kernel, (GEMM_PROGRAMS,), self._heap.ctx, a, b, slots,
+                             slot_stride, ready, counters, rows, row0, m, n, a.shape[1], a.stride(0), a.stride(1),
+                             b.stride(0), b.stride(1), ME=self.rank, WORLD=self.world_size, KMAX=KMAX,
+                             IEEE=out.dtype == torch.float32, UPCAST=language.INTERPRET, **tiles, **warps)
 
-        self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_produced(
-            op_, word, flat, m, tiles["BM"] * n, reduce_op, produce), out.view(-1), a)
+            self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_produced(
+                op_, word, flat, rows, tiles["BM"] * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
         return True
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):

@@ -34,14 +34,15 @@ def _mma(acc, a_tile, b_tile, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @tdl.jit
-def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, stride_bk, stride_bn,
+def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, row0, m_shard, N, K, stride_bk, stride_bn,
                    chunk, n_chunks, push_src, push_stride, push_len, push_limit,
                    ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
                    PUSHERS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``c`` [WORLD * m, N] (contiguous) = A @ ``b`` [K, N], where rows ``[s * m, (s + 1) * m)``
-    of A are rank ``s``'s shard: ``own`` for this rank, ``slots + s * slot_stride`` for the
-    others (each contiguous [m, K]). ``a_out`` [WORLD * m, K] gets A as well. ``IEEE``,
+    """One round: rows ``[row0, row0 + m)`` of every rank's shard of A (``m_shard`` rows each;
+    ``own`` for this rank, ``slots + s * slot_stride`` for rank ``s``, each contiguous [m, K]) times
+    ``b`` [K, N] go to rows ``s * m_shard + row0 + i`` of ``c`` [WORLD * m_shard, N]
+    (contiguous); ``a_out`` [WORLD * m_shard, K] gets those rows of A as well. ``IEEE``,
     ``UPCAST``: see ``_mma``."""
     pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
                                                     slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
@@ -74,20 +75,21 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, N, K, st
                                  mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
                 acc = _mma(acc, a_tile, b_tile, IEEE, UPCAST)
                 if cb == 0:
-                    tl.store(a_out + (s * m + rows)[:, None].to(tl.int64) * K + ks[None, :], a_tile,
+                    tl.store(a_out + (s * m_shard + row0 + rows)[:, None].to(tl.int64) * K + ks[None, :], a_tile,
                              mask=a_mask)
-            out_rows = (s * m + rows)[:, None].to(tl.int64)
+            out_rows = (s * m_shard + row0 + rows)[:, None].to(tl.int64)
             tl.store(c + out_rows * N + cols[None, :], acc.to(c.dtype.element_ty),
                      mask=(rows[:, None] < m) & (cols[None, :] < N))
 
 
 @tdl.jit
-def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, N, K, stride_am, stride_ak,
+def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, row0, m_shard, N, K, stride_am, stride_ak,
                    stride_bk, stride_bn, ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                    UPCAST: tl.constexpr):
-    """Rows ``[d * m, (d + 1) * m)`` of ``a`` [WORLD * m, K] @ ``b`` [K, N] go to rank ``d``'s
-    slot ``ME`` (``slots + ME * slot_stride`` there, row-major [m, N]). Row block ``rb`` (``BM``
+    """One round: rows ``[d * m_shard + row0, d * m_shard + row0 + m)`` of ``a`` [WORLD *
+    m_shard, K] @ ``b`` [K, N] go to rank ``d``'s slot ``ME`` (``slots + ME * slot_stride``
+    there, row-major [m, N]). Row block ``rb`` (``BM``
     rows) of it done, ``ready + ME * KMAX + rb`` rises on ``d``; ``counters + d * KMAX + rb``
     (this rank's, zero before and after) counts its finished tiles. Rank ``ME``'s own rows go to
     its own slot, with no flag (the reduction runs after this kernel on the same stream)."""
@@ -102,7 +104,7 @@ def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, N, K, stri
         cb = t % col_blocks
         rows = rb * BM + tl.arange(0, BM)
         cols = cb * BN + tl.arange(0, BN)
-        a_rows = (d * m + rows)[:, None].to(tl.int64)
+        a_rows = (d * m_shard + row0 + rows)[:, None].to(tl.int64)
         acc = tl.full((BM, BN), 0.0, tl.float32)  # (tl.zeros is a jit function the interpreter cannot call)
         for k0 in range(0, K, BK):
             ks = k0 + offs_k
