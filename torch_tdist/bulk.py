@@ -70,15 +70,17 @@ class BulkPath:
         self.heap, self.rank, self.world = heap, heap.rank, world
         self.device = heap.device
         self._launch, self._accumulator = launch, accumulator
-        # int64 flags: start[world], then ready[2 sets][world][KMAX], then (local) tile
-        # counters[world][KMAX] of kernels that make a chunk with several programs
-        flag_bytes = -(-(world + 3 * world * KMAX) * 8 // 256) * 256
+        # int64 flags: start[world], then ready[2 sets][world][KMAX]
+        flag_bytes = -(-(world + 2 * world * KMAX) * 8 // 256) * 256
         if nbytes <= flag_bytes:
             raise ValueError("tdist: the symmetric heap is too small for the bulk path; raise "
                              "TDIST_HEAP_SIZE (or the backend option 'heap_size')")
         self._flags_offset, self._data_offset = offset, offset + flag_bytes
         self._data_bytes = nbytes - flag_bytes
-        self._flags = heap.view(offset, (world + 3 * world * KMAX,), torch.int64)
+        self._flags = heap.view(offset, (world + 2 * world * KMAX,), torch.int64)
+        # tile counters[world][KMAX] of kernels that finish a chunk with several programs: only
+        # this rank's programs touch them, so they live outside the heap; zero between calls
+        self._counters = torch.zeros(world * KMAX, dtype=torch.int64, device=heap.device)
         self._data = {}
         self._streams = Streams(heap.device, heap.abort_address)
         self.in_flight = False  # a call passed its start barrier and has not returned
@@ -142,6 +144,11 @@ class BulkPath:
         if push is None or self.world == 1:
             return KERNEL_PROGRAMS, (fallback, 0, 0, 0), 0
         return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
+
+    def signal_regions(self):
+        """(first slot's address, slots per peer, peers) of the ready flags the kernels wait on."""
+        for flag_set in (0, 1):
+            yield self._flag_address(self.rank, self._ready_index(flag_set, 0, 0)), KMAX, self.world
 
     def _done_with(self, flag_set: int):
         first = self._ready_index(flag_set, 0, 0)
@@ -253,7 +260,7 @@ class BulkPath:
         n_chunks = max(1, -(-n // chunk))
         self._start_barrier(op, self._signature(call_word, n, n_chunks))
         slots = self._slots(dtype)
-        produce(slots, n, self._flags[self._ready_index(0, 0, 0):], self._flags[self._ready_index(2, 0, 0):])
+        produce(slots, n, self._flags[self._ready_index(0, 0, 0):], self._counters)
         self._reduce(op, slots[self.rank * n:], slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(self.rank * n, chunk), push=None)
         self._streams.join(self.world - 1)

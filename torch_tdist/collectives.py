@@ -11,6 +11,7 @@ are the publish/pull pair of ``triton_kernels/staged.py``.
 
 import collections
 import contextlib
+import ctypes
 import os
 from datetime import timedelta
 
@@ -349,7 +350,33 @@ class Executor:
             if cause is None:
                 raise
             self._stopped = f"{op} timed out waiting for a peer"
-            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}): {cause}") from err
+            missing = self._missing_peers(cause)
+            arrived = f"rank(s) {', '.join(map(str, missing))} did not arrive; " if missing else ""
+            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}): {arrived}{cause}") from err
+
+    def _signal_regions(self):
+        """(first slot's address, slots per peer, peers) of every signal array the kernels wait
+        on, each peer's slots together (the layouts in triton_kernels/)."""
+        world = self.world_size
+        signals = self._signals.data_ptr()
+        yield self._flags.data_ptr(), ONESHOT_PROGRAMS, world
+        yield signals, 1, world
+        yield signals + 8 * world, 1, world
+        yield self._tree_signals.data_ptr(), 1, world
+        yield from self._bulk.signal_regions()
+
+    def _missing_peers(self, timeout: language.PeerTimeoutError) -> list[int]:
+        """The peers whose slot, in the signal array and position a timed-out wait watched, does
+        not hold what the wait wanted (CPU heaps: the slots are host memory)."""
+        if timeout.address is None or self._heap is None or self._heap.device.type != "cpu":
+            return []
+        for first, stride, peers in self._signal_regions():
+            index = (timeout.address - first) // 8
+            if 0 <= index < stride * peers and (timeout.address - first) % 8 == 0:
+                position = index % stride
+                return [p for p in range(peers) if p != self.rank and not timeout.satisfied(
+                    ctypes.c_int64.from_address(first + 8 * (p * stride + position)).value)]
+        return []
 
     def _plan(self, src: torch.Tensor, dst: torch.Tensor):
         """The call's launch as C++ can replay it for the next call of this shape (see

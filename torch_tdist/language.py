@@ -77,7 +77,12 @@ else:
 
 
 class PeerTimeoutError(TimeoutError):
-    """A wait() in a kernel saw no signal from a peer within the group's timeout."""
+    """A wait() in a kernel saw no signal from a peer within the group's timeout. ``address``:
+    the signal slot waited on (None when unknown); ``satisfied(value)``: whether a value there
+    would have ended the wait (the executor reads peers' slots with it to name the missing)."""
+
+    address = None
+    satisfied = None
 
 
 class GroupAbortedError(PeerTimeoutError):
@@ -210,7 +215,11 @@ if INTERPRET:
         def read():
             last[:] = [tl.atomic_add(sig, 0, sem="acquire", scope="sys")]
             return host_int(last[0])
-        poll_until(read, satisfied, timeout_s, wanted, abort_address)
+        try:
+            poll_until(read, satisfied, timeout_s, wanted, abort_address)
+        except PeerTimeoutError as err:
+            err.address, err.satisfied = host_int(sig), satisfied
+            raise
         return last[0]
 
 else:
