@@ -85,6 +85,9 @@ class BulkPath:
         self._streams = Streams(heap.device, heap.abort_address)
         self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
+        # beside a compute-bound receiving kernel (a GEMM, which wants every SM): the copy
+        # engines, unless TDIST_BULK_PUSH chose
+        self.pusher_beside_compute = pusher or "copy_engine"
 
     # ---- heap addresses -----------------------------------------------------------------
     def _slots(self, dtype: torch.dtype, peer: int | None = None) -> torch.Tensor:
@@ -119,13 +122,14 @@ class BulkPath:
         streams.fork(self.world - 1)
 
     def _push(self, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int, limit: int,
-              dst_offset: int, chunk: int, n_chunks: int):
+              dst_offset: int, chunk: int, n_chunks: int, pusher: str | None = None):
         """Peer ``p``'s part of ``src`` (``src[p * src_stride:]``, ``min(part_len, limit - p *
         src_stride)`` elements, at least 0) -> ``p``'s slots at element ``dst_offset``, chunk by
         chunk, raising ``p``'s ready flag of each of the ``n_chunks`` chunks (empty ones too);
         all peers at once. The copy engines' pushes are queued on the side streams here; the
-        "sm" pushes are returned, for the receiving kernel to make (``_pushers``)."""
-        if self.pusher == "sm":
+        "sm" pushes are returned, for the receiving kernel to make (``_pushers``). ``pusher``:
+        this call's, if not the group's."""
+        if (pusher or self.pusher) == "sm":
             return src, src_stride, part_len, limit
         for stream, peer in enumerate(self._peers(), start=1):
             length = max(0, min(part_len, limit - peer * src_stride))
@@ -165,10 +169,10 @@ class BulkPath:
         the same rank)."""
         return [(self.rank + i) % self.world for i in range(1, self.world)]
 
-    def _chunking(self, dtype: torch.dtype, length: int) -> tuple[int, int]:
+    def _chunking(self, dtype: torch.dtype, length: int, pusher: str | None = None) -> tuple[int, int]:
         """(elements per chunk, chunks) for a slot of ``length`` elements."""
         v = vector(dtype)
-        chunk = max(CHUNK_BYTES[self.pusher] // dtype.itemsize, -(-length // KMAX))
+        chunk = max(CHUNK_BYTES[pusher or self.pusher] // dtype.itemsize, -(-length // KMAX))
         chunk = -(-chunk // v) * v
         return chunk, max(1, -(-length // chunk))
 
@@ -236,12 +240,14 @@ class BulkPath:
 
     def all_gather_consumed(self, op: str, call_word: int, src: torch.Tensor, consume):
         """all_gather's pushes of flat ``src`` in one round (``part_capacity``), taken by the
-        kernel ``consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args,
-        pushers)`` launches instead of the gather kernel (the arguments as there)."""
+        compute kernel ``consume(own, slots, slot_stride, ready, chunk, n_chunks, grid,
+        push_args, pushers)`` launches instead of the gather kernel (the arguments as there);
+        pushed by ``pusher_beside_compute``."""
         n, dtype = src.numel(), src.dtype
-        chunk, n_chunks = self._chunking(dtype, n)
+        pusher = self.pusher_beside_compute
+        chunk, n_chunks = self._chunking(dtype, n, pusher)
         self._start_barrier(op, self._signature(call_word, n, n_chunks))
-        push = self._push(0, src, 0, n, NO_LIMIT, self.rank * n, chunk, n_chunks)
+        push = self._push(0, src, 0, n, NO_LIMIT, self.rank * n, chunk, n_chunks, pusher)
         grid, push_args, pushers = self._pushers(push, src)
         consume(src, self._slots(dtype), n, self._flags[self._ready_index(0, 0, 0):], chunk, n_chunks,
                 grid, push_args, pushers)
