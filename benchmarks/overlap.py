@@ -4,9 +4,10 @@
 
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
-each shape and op, in one job: tdist (a group with TDIST_OVERLAP=fused; ``path`` says whether the
-fused kernel served it), the sequential path (NCCL collective, then torch.matmul, or the
-reverse), ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
+each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune; ``path`` is what its
+tuning chose, "sequential" or "fused <config>"), tdist's fused kernels with the first tile config
+(``fused_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
+``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
 ``--warmup``, the slowest rank's. Rank 0 writes ``overlap_<machine>.json``; ``python
 benchmarks/plot.py <json>`` draws the speedups.
@@ -38,7 +39,7 @@ def _operands(op, m, n, k, world, device, gen):
     return rand(m, k // world), rand(k // world, n)
 
 
-def _calls(op, a, b, world, tdist_group, symm_group_name):
+def _calls(op, a, b, world, tdist_group, fused_group, symm_group_name):
     """name -> a function making one call of that variant."""
     if op == "ag_gemm":
         gathered = torch.empty(world * a.shape[0], a.shape[1], device=a.device, dtype=a.dtype)
@@ -50,6 +51,7 @@ def _calls(op, a, b, world, tdist_group, symm_group_name):
             collective()
             return gathered @ b
         return {"tdist": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=tdist_group),
+                "fused": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=fused_group),
                 "sequential": sequential, "matmul": lambda: gathered @ b, "collective": collective,
                 "symm_mem": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
                     a, [b], gather_dim=0, group_name=symm_group_name)}
@@ -63,6 +65,7 @@ def _calls(op, a, b, world, tdist_group, symm_group_name):
         dist.reduce_scatter_tensor(scattered, a @ b)
         return scattered
     return {"tdist": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=tdist_group),
+            "fused": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=fused_group),
             "sequential": sequential, "matmul": lambda: a @ b, "collective": collective,
             "symm_mem": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
                 a, b, "sum", scatter_dim=0, group_name=symm_group_name)}
@@ -85,8 +88,10 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=device)
-    os.environ["TDIST_OVERLAP"] = "fused"
+    os.environ["TDIST_OVERLAP"] = "tune"
     tdist_group = dist.new_group(backend="tdist")
+    os.environ["TDIST_OVERLAP"] = "fused"
+    fused_group = dist.new_group(backend="tdist")
     cpu_group = dist.new_group(backend="gloo")
     symm_group_name = dist.group.WORLD.group_name
     try:
@@ -102,11 +107,11 @@ def main():
         for shape in args.shapes.split(","):
             m, n, k = (int(v) for v in shape.split("x"))
             a, b = _operands(op, m, n, k, world, device, gen)
-            calls = _calls(op, a, b, world, tdist_group, symm_group_name)
-            fused_name = {"ag_gemm": "all_gather_matmul", "gemm_rs": "matmul_reduce_scatter"}[op]
-            before = executor.fused_calls[fused_name]
-            error = _relative_error(calls["tdist"](), calls["sequential"]())
-            path = "fused" if executor.fused_calls[fused_name] > before else "sequential"
+            calls = _calls(op, a, b, world, tdist_group, fused_group, symm_group_name)
+            error = _relative_error(calls["fused"](), calls["sequential"]())
+            tuned_before = dict(executor.tuned)
+            calls["tdist"]()  # tunes this shape class
+            path = next((way for key, way in executor.tuned.items() if key not in tuned_before), "tuned before")
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
                    "relative_error": round(error, 5)}
             for name, fn in calls.items():
@@ -130,7 +135,7 @@ def main():
     if rank == 0:
         write_result(args.out, "overlap", world,
                      f"bf16, slowest rank; {args.iters} calls back to back per timed loop (CUDA events), "
-                     f"median of 5 loops after {args.warmup} warm-ups; relative_error: tdist against the "
+                     f"median of 5 loops after {args.warmup} warm-ups; relative_error: tdist's fused kernels against the "
                      f"sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
     dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
+from torch_tdist.collectives import GEMM_CONFIGS  # noqa: E402
 from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
@@ -68,28 +69,27 @@ def specialisations():
                         "PUSHERS": "constexpr"}, {
                             "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align,
                             "PUSHERS": pushers}
-    for dt, pushers in (("bf16", 48), ("bf16", 0), ("fp32", 0)):
+    for dt, pushers, config in [("bf16", 48, GEMM_CONFIGS[0]), ("fp32", 0, GEMM_CONFIGS[0])] + [
+            ("bf16", 0, c) for c in GEMM_CONFIGS]:
+        tiles = {key: config[key] for key in ("BM", "BN", "BK")}
+        options = {"num_warps": 8, "num_stages": config["num_stages"]}
         yield overlap.ag_gemm_kernel, {
             "ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64", "ready": "*i64",
             "b": f"*{dt}", "c": f"*{dt}", "a_out": f"*{dt}", "m": "i32", "row0": "i32", "m_shard": "i32",
-            "N": "i32", "K": "i32",
-            "stride_bk": "i64", "stride_bn": "i64", "chunk": "i64", "n_chunks": "i64", "push_src": f"*{dt}",
-            "push_stride": "i64", "push_len": "i64", "push_limit": "i64", "ME": "constexpr",
-            "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
-            "BLOCK": "constexpr", "ALIGN": "constexpr", "PUSHERS": "constexpr", "IEEE": "constexpr",
-            "UPCAST": "constexpr"}, {
-                "ME": 1, "WORLD": 4, "KMAX": 64, "BM": 128, "BN": 128, "BK": 64, "BLOCK": 8192,
-                "ALIGN": 8 if dt == "bf16" else 4, "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}
-    for dt in ("bf16", "fp32"):
+            "N": "i32", "K": "i32", "stride_bk": "i64", "stride_bn": "i64", "chunk": "i64", "n_chunks": "i64",
+            "push_src": f"*{dt}", "push_stride": "i64", "push_len": "i64", "push_limit": "i64",
+            "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr",
+            "BK": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr", "PUSHERS": "constexpr",
+            "IEEE": "constexpr", "UPCAST": "constexpr"}, {
+                "ME": 1, "WORLD": 4, "KMAX": 64, **tiles, "BLOCK": 8192, "ALIGN": 8 if dt == "bf16" else 4,
+                "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}, options
         yield overlap.gemm_rs_kernel, {
             "ctx": "*i64", "a": f"*{dt}", "b": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
             "ready": "*i64", "counters": "*i64", "m": "i32", "row0": "i32", "m_shard": "i32", "N": "i32",
-            "K": "i32", "stride_am": "i64",
-            "stride_ak": "i64", "stride_bk": "i64", "stride_bn": "i64", "ME": "constexpr", "WORLD": "constexpr",
-            "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr",
-            "UPCAST": "constexpr"}, {
-                "ME": 2, "WORLD": 4, "KMAX": 64, "BM": 128, "BN": 128, "BK": 64, "IEEE": dt == "fp32",
-                "UPCAST": False}
+            "K": "i32", "stride_am": "i64", "stride_ak": "i64", "stride_bk": "i64", "stride_bn": "i64",
+            "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr",
+            "BK": "constexpr", "IEEE": "constexpr", "UPCAST": "constexpr"}, {
+                "ME": 2, "WORLD": 4, "KMAX": 64, **tiles, "IEEE": dt == "fp32", "UPCAST": False}, options
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):
@@ -147,7 +147,7 @@ def _aligned(signature):
 def check_wide_accesses(target):
     """The data-moving loops use 16-byte loads and stores (bf16, aligned operands)."""
     checked = 0
-    for kernel, signature, constexprs in specialisations():
+    for kernel, signature, constexprs, *_ in specialisations():
         data = signature.get("out", signature.get("src", signature.get("dst", "")))
         wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in data
         if kernel is _every_primitive or not wanted:
@@ -200,8 +200,9 @@ def main(arch: int = 90) -> int:
     assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
     target = GPUTarget("cuda", arch, 32)
     count = 0
-    for kernel, signature, constexprs in specialisations():
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target)
+    for kernel, signature, constexprs, *options in specialisations():
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
+                                  options=options[0] if options else None)
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
         count += 1
     check_wide_accesses(target)

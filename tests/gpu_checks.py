@@ -333,6 +333,12 @@ def fused_ops(tg, rank, world, device, gen):
         served = torch_tdist.get_executor(fg).fused_calls["all_gather_matmul"]
         if served != 2:
             _failures.append(f"fused {pusher}: {served} calls by the overlapping kernel, expected 2")
+    os.environ["TDIST_OVERLAP"] = "tune"  # every tile config runs while tuning
+    tuned = dist.new_group(backend="tdist")
+    del os.environ["TDIST_OVERLAP"]
+    _ops_against_nccl(tuned, "tuned", rank, world, device, gen)
+    if rank == 0:
+        print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
 
 
 def _ops_against_nccl(tg, label, rank, world, device, gen):

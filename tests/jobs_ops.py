@@ -145,3 +145,25 @@ def bad_input(rank, ws, case):
         assert x.tolist() == [ws * (ws + 1) / 2] * 3, x
         return type(err).__name__, str(err)
     return None, "no error"
+
+
+def tuned_choices(rank, ws, seed):
+    """Two calls of each op on a TDIST_OVERLAP=tune group, checked against references; returns
+    what the group chose per shape class, and how many overlapped calls the second calls made."""
+    chk = Checker(rank, "tuned ops")
+    executor = torch_tdist.get_executor()
+    m, k, n = 20, 24, 18
+    a_full = _operand([ws * m, k], torch.float32, seed, 1)
+    b = _operand([k, n], torch.float32, seed, 2 + rank)
+    for _ in range(2):
+        before = sum(executor.fused_calls.values())
+        _close(chk, torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b), a_full.double() @ b.double(),
+               "all_gather_matmul")
+        parts = {r: _operand([ws * m, k], torch.float32, seed, 10 + r) for r in range(ws)}
+        weights = {r: _operand([k, n], torch.float32, seed, 20 + r) for r in range(ws)}
+        total = sum(parts[r].double() @ weights[r].double() for r in range(ws))
+        _close(chk, torch_tdist.ops.matmul_reduce_scatter(parts[rank], weights[rank]), total.chunk(ws)[rank],
+               "matmul_reduce_scatter")
+        fused_in_call = sum(executor.fused_calls.values()) - before
+    chk.done()
+    return sorted((str(key), way) for key, way in executor.tuned.items()), fused_in_call

@@ -111,3 +111,22 @@ def test_overlapped_ops_larger_than_the_heap_go_in_rounds(fused_small_heap_pool,
     fused_small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", True, timeout=240)
     fused_small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "avg", "big", True, timeout=240)
     fused_small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)
+
+
+@ws_param([2, 3])
+def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
+    """TDIST_OVERLAP=tune: a shape class's first call times the sequential path and the fused
+    kernels on every rank; all ranks keep the same choice, and the second call uses it without
+    timing again (one call per op: at most one fused call each)."""
+    pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, tune)",
+                    env={"TDIST_OVERLAP": "tune"})
+    try:
+        results = pool.run(J.tuned_choices, seed, timeout=240)
+    finally:
+        pool.shutdown()
+    choices = results[0][0]
+    assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'", "('matmul_reduce_scatter'"], choices
+    assert all(way in ("sequential", "fused 0") for _, way in choices), choices
+    assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"
+    expected = sum(way == "fused 0" for _, way in choices)
+    assert all(r[1] == expected for r in results), f"second calls made {[r[1] for r in results]} fused calls"

@@ -59,14 +59,17 @@ BULK_FROM_BYTES = {
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk")
-# How torch_tdist.ops run: "fused" (the overlapping kernels of triton_kernels/overlap.py where
-# the shapes allow), "sequential" (the collective, then torch.matmul), "auto": sequential until
-# the fused kernels are measured faster on GPUs (issue 4).
-OVERLAPS = ("auto", "fused", "sequential")
-# Tiles of the overlapped matmuls (triton_kernels/overlap.py): small under the interpreter, the
-# usual H100/H200 bf16 shape on GPUs (to be tuned on the device).
-GEMM_TILES_INTERPRET = {"BM": 16, "BN": 16, "BK": 16}
-GEMM_TILES = {"BM": 128, "BN": 128, "BK": 64, "num_stages": 3}
+# How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "fused" (the
+# overlapping kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's
+# first call the group times the sequential path and every tile config, and keeps the fastest),
+# "auto": tune on GPUs, sequential on the CPU (the interpreter's matmuls are slow).
+OVERLAPS = ("auto", "fused", "sequential", "tune")
+# Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
+# H100/H200 bf16 shapes, the first the default of "fused".
+GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
+                [{"BM": 128, "BN": 128, "BK": 64, "num_stages": 3},
+                 {"BM": 128, "BN": 256, "BK": 64, "num_stages": 3},
+                 {"BM": 256, "BN": 128, "BK": 64, "num_stages": 3}])
 GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
@@ -130,6 +133,7 @@ class Executor:
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
         self._abort_address = 0  # the C++ backend's abort word (attach_abort_word)
+        self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
@@ -575,7 +579,7 @@ class Executor:
 
     # ---- fused ops (torch_tdist.ops) ----------------------------------------------------
     def all_gather_matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                          a_out: torch.Tensor) -> bool:
+                          a_out: torch.Tensor, tiles: dict = GEMM_CONFIGS[0]) -> bool:
         """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``), the matmul taking
         each peer's rows as they land (``triton_kernels/overlap.py``); ``a`` [m, K] and ``out``
         [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many rows
@@ -588,7 +592,6 @@ class Executor:
         if rows_per_round == 0:
             return False
         self.fused_calls[op] += 1
-        tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
         for row0 in range(0, m, rows_per_round):
             rows = min(rows_per_round, m - row0)
 
@@ -605,7 +608,7 @@ class Executor:
         return True
 
     def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                              reduce_op: str) -> bool:
+                              reduce_op: str, tiles: dict = GEMM_CONFIGS[0]) -> bool:
         """``out`` [m, N] = rows [rank * m, (rank + 1) * m) of OP over ranks of ``a`` [world * m,
         K] @ ``b`` [K, N], each rank's rows sent as the matmul makes them
         (``triton_kernels/overlap.py``). On the caller's stream; in rounds of as many rows as the
@@ -614,7 +617,6 @@ class Executor:
         op = "matmul_reduce_scatter"
         self._begin(op, a)
         m, n = out.shape
-        tiles = GEMM_TILES_INTERPRET if language.INTERPRET else GEMM_TILES
         rows_per_round = min(self._bulk.part_capacity(out.dtype) // n, KMAX * tiles["BM"])
         if rows_per_round == 0:
             return False

@@ -12,19 +12,25 @@ ops that take the group by name, with fake kernels (torch.compile traces them wi
 ``fullgraph=True``) and autograd: the input gradient of one is the other, the weight gradient a
 matmul with the gathered operand.
 
-Today they run the sequential path: the group's collective (tdist's kernels), then
-``torch.matmul``. The fused kernels that overlap the two are issue 4's next step; this path stays
-as the fallback where overlap cannot pay.
+How they run (``TDIST_OVERLAP``, see ``collectives.OVERLAPS``): the sequential path (the group's
+collective, then ``torch.matmul``) or the overlapping kernels (``Executor.all_gather_matmul`` /
+``matmul_reduce_scatter``, along dim 0), one of their tile configs. With "tune" (and "auto" on
+GPUs) the group times them all on a shape's first call and keeps the fastest, so a shape where
+overlap cannot pay stays sequential.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from . import language
 from .backend import _tdist_backend, get_executor
+from .collectives import GEMM_CONFIGS
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -87,6 +93,65 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
     return dim % ndim
 
 
+# ---- choosing how to run -------------------------------------------------------------------
+TUNE_RUNS = 3  # timed calls of each way, after one warm-up, when a shape class is tuned
+
+
+def _rows_class(rows: int) -> int:
+    """Shapes tuned together: the row count rounded up to a power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def _run(group, key, sequential, fused):
+    """The op's result, computed the way the group's policy says (module docstring).
+    ``fused(tiles)``: the overlapping kernels with one of GEMM_CONFIGS, None where they cannot
+    run; ``fused`` None: they cannot for this call."""
+    executor = get_executor(group)
+    policy = executor.overlap
+    if policy == "auto":
+        policy = "sequential" if language.INTERPRET else "tune"
+    if fused is None or policy == "sequential":
+        return sequential()
+    if policy == "fused":
+        return _or_sequential(fused(GEMM_CONFIGS[0]), sequential)
+    ways = {"sequential": sequential, **{f"fused {i}": (lambda t=t: fused(t)) for i, t in enumerate(GEMM_CONFIGS)}}
+    choice = executor.tuned.get(key)
+    if choice is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
+        choice = executor.tuned[key] = _fastest(group, ways)
+    return _or_sequential(ways[choice](), sequential)
+
+
+def _or_sequential(result, sequential):
+    return sequential() if result is None else result
+
+
+def _fastest(group, ways: dict) -> str:
+    """The way with the least time per call, each timed on every rank in the same order; the
+    slowest rank's time counts, so every rank picks the same."""
+    times = []
+    for way in ways.values():
+        if way() is None:  # (also the warm-up: compiles)
+            times.append(float("inf"))
+            continue
+        _synchronize()
+        start = time.perf_counter()
+        for _ in range(TUNE_RUNS):
+            way()
+        _synchronize()
+        times.append((time.perf_counter() - start) / TUNE_RUNS)
+    device = get_executor(group).heap.device
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return list(ways)[int(torch.argmin(slowest.cpu()))]
+
+
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 # ---- the sequential path ------------------------------------------------------------------
 # torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -115,25 +180,26 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     needs it); gradients flow into it only with ``return_a``."""
     dim = _checked_gather(a_shard, bs, gather_dim)
     group = _group(group_name)
-    fused = _fused_all_gather_matmul(a_shard, bs, group) if dim == 0 else None
-    if fused is not None:
-        return fused
-    a_full = _all_gather(a_shard, dim, group)
-    return a_full, [torch.matmul(a_full, b) for b in bs]
+
+    def sequential():
+        a_full = _all_gather(a_shard, dim, group)
+        return a_full, [torch.matmul(a_full, b) for b in bs]
+    key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard.numel() // a_shard.shape[-1]),
+           a_shard.shape[-1], tuple(b.shape[1] for b in bs))
+    return _run(group, key, sequential,
+                (lambda tiles: _fused_all_gather_matmul(a_shard, bs, group, tiles)) if dim == 0 else None)
 
 
-def _fused_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group):
+def _fused_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, tiles: dict):
     """The overlapped kernel (``Executor.all_gather_matmul``) for a gather along dim 0, or None
-    where the group's policy (``TDIST_OVERLAP``) or the heap says sequential."""
+    where the heap cannot take it."""
     executor = get_executor(group)
-    if executor.overlap != "fused":
-        return None
     k, world = a_shard.shape[-1], group.size()
     a = a_shard.reshape(-1, k).contiguous()
     b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
     out = a.new_empty((world * a.shape[0], b.shape[1]))
     a_full = a.new_empty((world * a.shape[0], k))
-    if not executor.all_gather_matmul(a, b, out, a_full):
+    if not executor.all_gather_matmul(a, b, out, a_full, tiles):
         return None
     lead = (world * a_shard.shape[0], *a_shard.shape[1:-1])
     widths = [w.shape[1] for w in bs]
@@ -184,22 +250,19 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
                            reduce_op: str) -> Tensor:
     group = _group(group_name)
     dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
-    fused = _fused_matmul_reduce_scatter(a, b, group, reduce_op) if dim == 0 else None
-    if fused is not None:
-        return fused
-    return _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group)
+    key = ("matmul_reduce_scatter", a.dtype, _rows_class(a.numel() // a.shape[-1]), a.shape[-1], b.shape[1])
+    return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
+                (lambda tiles: _fused_matmul_reduce_scatter(a, b, group, reduce_op, tiles)) if dim == 0 else None)
 
 
-def _fused_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str):
+def _fused_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, tiles: dict):
     """The overlapped kernels (``Executor.matmul_reduce_scatter``) for a scatter along dim 0, or
-    None where the group's policy (``TDIST_OVERLAP``) or the heap says sequential."""
+    None where the heap cannot take it."""
     executor = get_executor(group)
-    if executor.overlap != "fused":
-        return None
     world = group.size()
     rows = a.reshape(-1, a.shape[-1])
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
-    if not executor.matmul_reduce_scatter(rows, b, out, reduce_op):
+    if not executor.matmul_reduce_scatter(rows, b, out, reduce_op, tiles):
         return None
     return out.view(a.shape[0] // world, *a.shape[1:-1], b.shape[1])
 
