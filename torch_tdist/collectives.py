@@ -62,7 +62,8 @@ ALGORITHMS = ("auto", "oneshot", "bulk")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "fused" (the
 # overlapping kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's
 # first call the group times the sequential path and every tile config, and keeps the fastest),
-# "auto": tune on GPUs, sequential on the CPU (the interpreter's matmuls are slow).
+# "auto": sequential for now. It becomes "tune" on GPUs once the overlapping kernels have run
+# there (issue 4); on the CPU it stays sequential (the interpreter's matmuls are slow).
 OVERLAPS = ("auto", "fused", "sequential", "tune")
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".

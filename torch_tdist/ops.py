@@ -14,9 +14,9 @@ matmul with the gathered operand.
 
 How they run (``TDIST_OVERLAP``, see ``collectives.OVERLAPS``): the sequential path (the group's
 collective, then ``torch.matmul``) or the overlapping kernels (``Executor.all_gather_matmul`` /
-``matmul_reduce_scatter``, along dim 0), one of their tile configs. With "tune" (and "auto" on
-GPUs) the group times them all on a shape's first call and keeps the fastest, so a shape where
-overlap cannot pay stays sequential.
+``matmul_reduce_scatter``, along dim 0), one of their tile configs. With "tune" the group times
+them all on a shape's first call and keeps the fastest, so a shape where overlap cannot pay
+stays sequential.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from . import language
 from .backend import _tdist_backend, get_executor
 from .collectives import GEMM_CONFIGS
 
@@ -108,9 +107,7 @@ def _run(group, key, sequential, fused):
     run; ``fused`` None: they cannot for this call."""
     executor = get_executor(group)
     policy = executor.overlap
-    if policy == "auto":
-        policy = "sequential" if language.INTERPRET else "tune"
-    if fused is None or policy == "sequential":
+    if fused is None or policy in ("sequential", "auto"):
         return sequential()
     if policy == "fused":
         return _or_sequential(fused(GEMM_CONFIGS[0]), sequential)
