@@ -1,8 +1,6 @@
 #include "process_group_tdist.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -567,14 +565,15 @@ ProcessGroupTDist::ProcessGroupTDist(
     TORCH_CHECK_VALUE(backend, "tdist: fallback for ", name, " is None");
     fallbacks_[c10::Device(name).type()] = backend;
   }
-  // The abort word: a page of its own, so that a GPU can map it (cudaHostRegister).
-  void* page = nullptr;
-  TORCH_CHECK(posix_memalign(&page, 4096, 4096) == 0, "tdist: no memory for the abort word");
-  std::memset(page, 0, 4096);
-  abortWord_.reset(static_cast<int64_t*>(page));
+  // The abort word lives in the executor (which this backend keeps alive), where its waits
+  // read it; an executor without one (a test's) gets one of ours.
   py::object ex = executor_.get();
-  if (py::hasattr(ex, "attach_abort_word")) {
-    ex.attr("attach_abort_word")(reinterpret_cast<uintptr_t>(page));
+  if (py::hasattr(ex, "abort_word_address")) {
+    abortWord_ = reinterpret_cast<int64_t*>(
+        ex.attr("abort_word_address").cast<uintptr_t>());
+  } else {
+    ownAbortWord_ = std::make_unique<int64_t>(0);
+    abortWord_ = ownAbortWord_.get();
   }
   init();
 }
@@ -607,7 +606,7 @@ void ProcessGroupTDist::abortWith(const std::string& reason) {
     }
   }
   // kernels and host-side waits poll this word
-  __atomic_store_n(abortWord_.get(), int64_t{1}, __ATOMIC_RELEASE);
+  __atomic_store_n(abortWord_, int64_t{1}, __ATOMIC_RELEASE);
 }
 
 void ProcessGroupTDist::checkNotAborted(Op op) const {

@@ -154,7 +154,7 @@ class ProcessGroupTDist : public c10d::Backend {
   // Sets the abort word (waits give up) and makes every later call raise.
   void abortWith(const std::string& reason);
   uintptr_t abortWordAddress() const {
-    return reinterpret_cast<uintptr_t>(abortWord_.get());
+    return reinterpret_cast<uintptr_t>(abortWord_);
   }
   void shutdown() override;
 
@@ -346,7 +346,8 @@ class ProcessGroupTDist : public c10d::Backend {
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> shutDown_{false};
-  std::unique_ptr<int64_t, decltype(&std::free)> abortWord_{nullptr, &std::free};
+  int64_t* abortWord_ = nullptr; // the executor's (alive while executor_ is) or ownAbortWord_
+  std::unique_ptr<int64_t> ownAbortWord_;
   std::atomic<bool> aborted_{false};
   std::string abortReason_; // set once, before aborted_
   mutable std::mutex abortMutex_;

@@ -167,3 +167,29 @@ def tuned_choices(rank, ws, seed):
         fused_in_call = sum(executor.fused_calls.values()) - before
     chk.done()
     return sorted((str(key), way) for key, way in executor.tuned.items()), fused_in_call
+
+
+def uneven_columns(rank, ws, seed):
+    """Ranks with different weight widths (rank 0's is 0 columns wide), twice each: the same
+    gathered A, each rank's own product; on a tuned group no rank tunes alone."""
+    chk = Checker(rank, "uneven columns")
+    m, k = 9, 12
+    a_full = _operand([ws * m, k], torch.float32, seed, 30)
+    for n in ([0, 5, 7, 3][rank % 4], 6 + rank):
+        b = _operand([k, n], torch.float32, seed, 40 + rank) if n else torch.empty(k, 0)
+        out = torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank].clone(), b)
+        if n:
+            _close(chk, out, a_full.double() @ b.double(), f"all_gather_matmul n={n}")
+        else:
+            chk.true(out.shape == (ws * m, 0), f"n={n}", f"shape {tuple(out.shape)}")
+    chk.done()
+
+
+def opchecks(rank, ws):
+    """torch.library.opcheck of both ops (schema, fake kernels and their strides, autograd
+    registration), sharded along dim 1 of a 3-D A."""
+    name = dist.group.WORLD.group_name
+    a3 = torch.randn(2, 2 * ws, 8)
+    b = torch.randn(8, 5)
+    torch.library.opcheck(torch.ops.tdist.all_gather_matmul.default, (a3, [b], name, 1, True))
+    torch.library.opcheck(torch.ops.tdist.matmul_reduce_scatter.default, (a3, b, name, 1, "avg"))

@@ -61,6 +61,13 @@ def test_overlapped_all_gather_matmul(fused_pool, dtype, shape, n_bs, seed):
 
 
 @ws_param([2, 3])
+def test_overlapped_all_gather_matmul_with_weights_of_different_widths(fused_pool, seed):
+    """One rank's weight has no columns: its kernel has no tiles but still waits for every
+    peer's pushes before the flags are cleared."""
+    fused_pool.run(J.uneven_columns, seed, timeout=120)
+
+
+@ws_param([2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape,reduce_op", [("small", "sum"), ("tiles", "avg")])
 def test_overlapped_matmul_reduce_scatter(fused_pool, dtype, shape, reduce_op, seed):
@@ -78,6 +85,12 @@ def test_matmul_reduce_scatter(pool, dtype, reduce_op, seed):
 @ws_param([2])
 def test_ops_under_torch_compile(pool, seed):
     pool.run(J.compiled, seed, timeout=300)
+
+
+@ws_param([2])
+def test_opcheck(pool):
+    """torch.library.opcheck: the fake kernels match the real ones (strides too, along dim 1)."""
+    pool.run(J.opchecks, timeout=300)
 
 
 BAD = {  # case: (error type, words the message must hold)
@@ -122,6 +135,7 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
                     env={"TDIST_OVERLAP": "tune"})
     try:
         results = pool.run(J.tuned_choices, seed, timeout=240)
+        pool.run(J.uneven_columns, seed, timeout=120)  # a weight width only one rank has: no hang
     finally:
         pool.shutdown()
     choices = results[0][0]

@@ -12,6 +12,7 @@ are the publish/pull pair of ``triton_kernels/staged.py``.
 import collections
 import contextlib
 import ctypes
+import mmap
 import os
 from datetime import timedelta
 
@@ -133,7 +134,10 @@ class Executor:
         self._views = {}
         self._tables = {}
         self._stopped = None  # why this group can serve no more collectives
-        self._abort_address = 0  # the C++ backend's abort word (attach_abort_word)
+        # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
+        # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
+        self._abort_page = mmap.mmap(-1, mmap.PAGESIZE)
+        self.abort_word_address = ctypes.addressof(ctypes.c_int64.from_buffer(self._abort_page))
         self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
@@ -165,7 +169,7 @@ class Executor:
             return
         nbytes = self.heap_bytes or DEFAULT_HEAP_BYTES[device.type]
         heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout,
-                             device=device, transport=self.transport, abort_address=self._abort_address)
+                             device=device, transport=self.transport, abort_address=self.abort_word_address)
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(staged.HEADER_FIXED.value, torch.int64)
@@ -227,13 +231,8 @@ class Executor:
             self._tables[key] = table
         return table
 
-    def attach_abort_word(self, address: int):
-        """The C++ backend's abort word (set by ``ProcessGroupTDist.abort()``): waits give up
-        once it is set, and calls refuse."""
-        self._abort_address = address
-
     def _begin(self, op: str, tensor: torch.Tensor | None):
-        if language.aborted(self._abort_address):
+        if language.aborted(self.abort_word_address):
             raise RuntimeError(f"tdist {op}: this group was aborted; destroy it and create a new one")
         if self._stopped:
             raise RuntimeError(f"tdist {op}: this group stopped after {self._stopped}; destroy it "
@@ -589,6 +588,8 @@ class Executor:
         self._begin(op, a)
         m, k = a.shape
         n, dtype = b.shape[1], a.dtype
+        if k == 0:  # (K is the same on every rank: they all decide alike)
+            return False
         rows_per_round = self._bulk.part_capacity(dtype) // k
         if rows_per_round == 0:
             return False
@@ -618,6 +619,8 @@ class Executor:
         op = "matmul_reduce_scatter"
         self._begin(op, a)
         m, n = out.shape
+        if n == 0:  # (N is the same on every rank: they all decide alike)
+            return False
         rows_per_round = min(self._bulk.part_capacity(out.dtype) // n, KMAX * tiles["BM"])
         if rows_per_round == 0:
             return False

@@ -21,6 +21,7 @@ stays sequential.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -96,8 +97,10 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 TUNE_RUNS = 3  # timed calls of each way, after one warm-up, when a shape class is tuned
 
 
-def _rows_class(rows: int) -> int:
-    """Shapes tuned together: the row count rounded up to a power of two."""
+def _rows_class(t: Tensor) -> int:
+    """Shapes tuned together: ``t``'s row count (all dimensions but the last) rounded up to a
+    power of two."""
+    rows = math.prod(t.shape[:-1])
     return 1 << max(rows - 1, 0).bit_length()
 
 
@@ -159,14 +162,14 @@ def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((group.size() * rows.shape[0], *rows.shape[1:]))
     _all_gather_single(out, rows, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # (the fake kernels' strides)
 
 
 def _reduce_scatter(x: Tensor, dim: int, reduce_op: str, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((rows.shape[0] // group.size(), *rows.shape[1:]))
     _reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # (the fake kernels' strides)
 
 
 # ---- tdist::all_gather_matmul --------------------------------------------------------------
@@ -181,8 +184,8 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     def sequential():
         a_full = _all_gather(a_shard, dim, group)
         return a_full, [torch.matmul(a_full, b) for b in bs]
-    key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard.numel() // a_shard.shape[-1]),
-           a_shard.shape[-1], tuple(b.shape[1] for b in bs))
+    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
+    key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
     return _run(group, key, sequential,
                 (lambda tiles: _fused_all_gather_matmul(a_shard, bs, group, tiles)) if dim == 0 else None)
 
@@ -247,7 +250,8 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
                            reduce_op: str) -> Tensor:
     group = _group(group_name)
     dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
-    key = ("matmul_reduce_scatter", a.dtype, _rows_class(a.numel() // a.shape[-1]), a.shape[-1], b.shape[1])
+    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
+    key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
     return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
                 (lambda tiles: _fused_matmul_reduce_scatter(a, b, group, reduce_op, tiles)) if dim == 0 else None)
 
