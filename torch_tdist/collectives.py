@@ -353,7 +353,8 @@ class Executor:
                 cause = cause.__cause__
             if cause is None:
                 raise
-            self._stopped = f"{op} timed out waiting for a peer"
+            aborted = isinstance(cause, language.GroupAbortedError)
+            self._stopped = f"{op} was aborted" if aborted else f"{op} timed out waiting for a peer"
             missing = self._missing_peers(cause)
             arrived = f"rank(s) {', '.join(map(str, missing))} did not arrive; " if missing else ""
             raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}): {arrived}{cause}") from err
