@@ -22,7 +22,9 @@ if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if [ "$what" = test ] || [ "$what" = all ]; then
-  timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  # TEST_ARGS splits the runs across device calls (each call gets at most 600 s), e.g. "-k 4-cuda"
+  TDIST_CHECK_TIMEOUT=${TDIST_CHECK_TIMEOUT:-150} timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py \
+    -q -s -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = soak ]; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1
