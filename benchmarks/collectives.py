@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import slowest, time_loop_us, write_result  # noqa: E402
+from timing import slowest, start_job, time_loop_us, write_result  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
@@ -120,10 +120,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
+    rank, world, device = start_job()
     tdist_group = dist.new_group(backend="tdist")
     global _cpu_group
     _cpu_group = dist.new_group(backend="gloo")

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import time_loop_us, write_result  # noqa: E402
+from timing import start_job, time_loop_us, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -84,10 +84,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
+    rank, world, device = start_job()
     os.environ["TDIST_OVERLAP"] = "tune"
     tdist_group = dist.new_group(backend="tdist")
     os.environ["TDIST_OVERLAP"] = "fused"

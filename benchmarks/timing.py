@@ -13,6 +13,15 @@ import torch.distributed as dist
 import torch_tdist
 
 
+def start_job():
+    """(rank, world size, this rank's GPU) of a torchrun job, with NCCL as the default group."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    return rank, world, device
+
+
 def slowest(value: float, cpu_group) -> float:
     """The slowest rank's figure: a rank that finishes early (a broadcast source) proves nothing."""
     t = torch.tensor([value], dtype=torch.float64)

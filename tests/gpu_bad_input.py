@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402,F401
 from tests import jobs_bad_input as J  # noqa: E402
+from tests.gpu_checks import report_and_exit  # noqa: E402
 
 MAX_SECONDS = 10.0
 VALIDATION = (ValueError, TypeError)
@@ -106,11 +107,7 @@ def main():
     checked += 1
     if not torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5):
         failures.append("all_reduce after the bad calls: wrong result")
-    for line in failures:
-        print(f"rank {rank}: {line}", flush=True)
-    print(f"rank {rank}: {checked} bad-input checks, {len(failures)} failed", flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
+    report_and_exit(rank, checked, failures, "bad-input checks")
 
 
 if __name__ == "__main__":

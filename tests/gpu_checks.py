@@ -64,6 +64,34 @@ def _pair(fn, tdist_group):
     return fn(tdist_group), fn(None)
 
 
+def _gathered(x, world):
+    """fn(group): ``x`` all-gathered into an output filled with 7s first."""
+    def gather(g):
+        out = torch.full((x.numel() * world,), 7, dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=g)
+        return out
+    return gather
+
+
+def _all_reduced(x, op):
+    """fn(group): a copy of ``x`` all-reduced with ``op``."""
+    def reduce_all(g):
+        t = x.clone()
+        dist.all_reduce(t, op=op, group=g)
+        return t
+    return reduce_all
+
+
+def report_and_exit(rank, checked: int, failures: list[str], what: str = "checks"):
+    """The last lines of a GPU check script: the first failures and the count; exits non-zero
+    if any failed."""
+    for line in failures[:20]:
+        print(f"rank {rank}: {line}", flush=True)
+    print(f"rank {rank}: {checked} {what}, {len(failures)} failed", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
 def every_op(tg, rank, world, device, gen):
     for dtype in DTYPES:
         for n in SIZES:
@@ -71,11 +99,7 @@ def every_op(tg, rank, world, device, gen):
                 tag = f"{str(dtype)[6:]} n={n} #{trial}"
                 x = _rand(n, dtype, device, gen)
 
-                def gather(g):
-                    out = torch.full((n * world,), 7, dtype=dtype, device=device)
-                    dist.all_gather_into_tensor(out, x, group=g)
-                    return out
-                _check(f"all_gather {tag}", *_pair(gather, tg))
+                _check(f"all_gather {tag}", *_pair(_gathered(x, world), tg))
 
                 def bcast(g, root=world - 1):
                     t = x.clone()
@@ -97,11 +121,7 @@ def every_op(tg, rank, world, device, gen):
                         continue
                     y = x if name != "product" else 1 + x / 64 if dtype.is_floating_point else x % 3
 
-                    def reduce_all(g):
-                        t = y.clone()
-                        dist.all_reduce(t, op=rop, group=g)
-                        return t
-                    _check(f"all_reduce {name} {tag}", *_pair(reduce_all, tg))
+                    _check(f"all_reduce {name} {tag}", *_pair(_all_reduced(y, rop), tg))
 
                     def reduce_scatter(g):
                         src = torch.cat([y] * world) + rank if name != "product" else torch.cat([y] * world)
@@ -287,11 +307,7 @@ def _bulk_calls(bg, pusher, world, device, gen):
             tag = f"{pusher} {str(dtype)[6:]} n={n} #{trial}"
             x = _rand(n, dtype, device, gen)
 
-            def gather(g):
-                out = torch.full((n * world,), 7, dtype=dtype, device=device)
-                dist.all_gather_into_tensor(out, x, group=g)
-                return out
-            _check(f"bulk all_gather {tag}", *_pair(gather, bg))
+            _check(f"bulk all_gather {tag}", *_pair(_gathered(x, world), bg))
             for name in ("sum", "avg", "max"):
                 wide = _rand(n * world, dtype, device, gen)
 
@@ -301,11 +317,7 @@ def _bulk_calls(bg, pusher, world, device, gen):
                     return out
                 _check(f"bulk reduce_scatter {name} {tag}", *_pair(reduce_scatter, bg))
 
-                def reduce_all(g):
-                    t = x.clone()
-                    dist.all_reduce(t, op=REDUCE_OPS[name], group=g)
-                    return t
-                _check(f"bulk all_reduce {name} {tag}", *_pair(reduce_all, bg))
+                _check(f"bulk all_reduce {name} {tag}", *_pair(_all_reduced(x, REDUCE_OPS[name]), bg))
 
 
 def served_by_tdist(tg, rank, world, device, gen):
@@ -494,11 +506,7 @@ def main():
         faulthandler.cancel_dump_traceback_later()
         status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"
         print(f"rank {rank}: {check.__name__:<20} {status}  {time.perf_counter() - start:6.1f} s", flush=True)
-    for line in _failures[:20]:
-        print(f"rank {rank}: {line}", flush=True)
-    print(f"rank {rank}: {_checked} checks, {len(_failures)} failed", flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if _failures else 0)
+    report_and_exit(rank, _checked, _failures)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ class BulkPath:
                 self._streams.write(stream, address, 1)
         return None
 
-    def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple]:
+    def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple, int]:
         """(grid, the kernel's push arguments and PUSHERS) for ``push`` from ``_push``."""
         if push is None or self.world == 1:
             return KERNEL_PROGRAMS, (fallback, 0, 0, 0), 0

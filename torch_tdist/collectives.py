@@ -52,9 +52,10 @@ GPU_UNEVEN_ALL_TO_ALL = False
 # Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
 # all_reduce take the bulk path (None: never). On the CPU it beats the interpreted one-shot
 # kernel from a few MB for all_gather and reduce_scatter, not for all_reduce. On H200s it was
-# 0.75x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
-# x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json), so large GPU messages still go to NCCL. TDIST_ALGORITHM=oneshot|bulk forces one path at every
-# size, with no size handed to NCCL (to measure them).
+# 0.53x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
+# x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json), so large GPU messages still go to NCCL.
+# TDIST_ALGORITHM=oneshot|bulk forces one path at every size, with no size handed to NCCL (to
+# measure them).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
@@ -137,7 +138,8 @@ class Executor:
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
         self._abort_page = mmap.mmap(-1, mmap.PAGESIZE)
-        self.abort_word_address = ctypes.addressof(ctypes.c_int64.from_buffer(self._abort_page))
+        self._abort_word = ctypes.c_int64.from_buffer(self._abort_page)
+        self.abort_word_address = ctypes.addressof(self._abort_word)
         self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
@@ -232,7 +234,7 @@ class Executor:
         return table
 
     def _begin(self, op: str, tensor: torch.Tensor | None):
-        if language.aborted(self.abort_word_address):
+        if self._abort_word.value:
             raise RuntimeError(f"tdist {op}: this group was aborted; destroy it and create a new one")
         if self._stopped:
             raise RuntimeError(f"tdist {op}: this group stopped after {self._stopped}; destroy it "

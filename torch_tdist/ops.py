@@ -114,12 +114,13 @@ def _run(group, key, sequential, fused):
         return sequential()
     if policy == "fused":
         return _or_sequential(fused(GEMM_CONFIGS[0]), sequential)
-    ways = {"sequential": sequential, **{f"fused {i}": (lambda t=t: fused(t)) for i, t in enumerate(GEMM_CONFIGS)}}
+    ways = {"sequential": sequential,
+            **{f"fused {i}": (lambda t=t: fused(t)) for i, t in enumerate(GEMM_CONFIGS)}}
     choice = executor.tuned.get(key)
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
-        choice = executor.tuned[key] = _fastest(group, ways)
+        choice = executor.tuned[key] = _fastest(group, executor.heap.device, ways)
     return _or_sequential(ways[choice](), sequential)
 
 
@@ -127,7 +128,7 @@ def _or_sequential(result, sequential):
     return sequential() if result is None else result
 
 
-def _fastest(group, ways: dict) -> str:
+def _fastest(group, device: torch.device, ways: dict) -> str:
     """The way with the least time per call, each timed on every rank in the same order; the
     slowest rank's time counts, so every rank picks the same."""
     times = []
@@ -141,7 +142,6 @@ def _fastest(group, ways: dict) -> str:
             way()
         _synchronize()
         times.append((time.perf_counter() - start) / TUNE_RUNS)
-    device = get_executor(group).heap.device
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return list(ways)[int(torch.argmin(slowest.cpu()))]
