@@ -5,8 +5,9 @@
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
 each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune; ``path`` is what its
-tuning chose, "sequential" or "fused <config>"), tdist's fused kernels with the first tile config
-(``fused_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
+tuning chose: "sequential", "pipelined <chunks>" or "fused <config>"), tdist's fused kernels with
+the first tile config (``fused_us``), the pipelined way with its default chunks
+(``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
 ``--warmup``, the slowest rank's. Rank 0 writes ``overlap_<machine>.json``; ``python
@@ -39,7 +40,7 @@ def _operands(op, m, n, k, world, device, gen):
     return rand(m, k // world), rand(k // world, n)
 
 
-def _calls(op, a, b, world, tdist_group, fused_group, symm_group_name):
+def _calls(op, a, b, world, tdist_group, fused_group, pipelined_group, symm_group_name):
     """name -> a function making one call of that variant."""
     if op == "ag_gemm":
         gathered = torch.empty(world * a.shape[0], a.shape[1], device=a.device, dtype=a.dtype)
@@ -52,6 +53,7 @@ def _calls(op, a, b, world, tdist_group, fused_group, symm_group_name):
             return gathered @ b
         return {"tdist": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=tdist_group),
                 "fused": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=fused_group),
+                "pipelined": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=pipelined_group),
                 "sequential": sequential, "matmul": lambda: gathered @ b, "collective": collective,
                 "symm_mem": lambda: torch.ops.symm_mem.fused_all_gather_matmul(
                     a, [b], gather_dim=0, group_name=symm_group_name)}
@@ -66,6 +68,7 @@ def _calls(op, a, b, world, tdist_group, fused_group, symm_group_name):
         return scattered
     return {"tdist": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=tdist_group),
             "fused": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=fused_group),
+            "pipelined": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=pipelined_group),
             "sequential": sequential, "matmul": lambda: a @ b, "collective": collective,
             "symm_mem": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
                 a, b, "sum", scatter_dim=0, group_name=symm_group_name)}
@@ -89,6 +92,8 @@ def main():
     tdist_group = dist.new_group(backend="tdist")
     os.environ["TDIST_OVERLAP"] = "fused"
     fused_group = dist.new_group(backend="tdist")
+    os.environ["TDIST_OVERLAP"] = "pipelined"
+    pipelined_group = dist.new_group(backend="tdist")
     cpu_group = dist.new_group(backend="gloo")
     symm_group_name = dist.group.WORLD.group_name
     try:
@@ -104,13 +109,17 @@ def main():
         for shape in args.shapes.split(","):
             m, n, k = (int(v) for v in shape.split("x"))
             a, b = _operands(op, m, n, k, world, device, gen)
-            calls = _calls(op, a, b, world, tdist_group, fused_group, symm_group_name)
-            error = _relative_error(calls["fused"](), calls["sequential"]())
+            calls = _calls(op, a, b, world, tdist_group, fused_group, pipelined_group, symm_group_name)
+            want = calls["sequential"]().clone()
+            fused_out, pipelined_out = calls["fused"](), calls["pipelined"]()
+            error = _relative_error(fused_out, want)
+            by_shard = [round(_relative_error(f, w), 5) for f, w in zip(fused_out.chunk(world), want.chunk(world))]
             tuned_before = dict(executor.tuned)
             calls["tdist"]()  # tunes this shape class
             path = next((way for key, way in executor.tuned.items() if key not in tuned_before), "tuned before")
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
-                   "relative_error": round(error, 5)}
+                   "relative_error": round(error, 5), "relative_error_by_shard": by_shard,
+                   "pipelined_relative_error": round(_relative_error(pipelined_out, want), 5)}
             for name, fn in calls.items():
                 try:
                     for _ in range(args.warmup):
@@ -124,16 +133,17 @@ def main():
                 ratio = row["sequential_us"] / row["tdist_us"]
                 symm = row.get("symm_mem_us")
                 print(f"{op} {shape:<18} {path:<10} tdist {row['tdist_us']:>8.1f} us  sequential "
-                      f"{row['sequential_us']:>8.1f} ({ratio:4.2f}x)  symm_mem {symm}  matmul "
-                      f"{row['matmul_us']:>8.1f}  collective {row['collective_us']:>8.1f}  err {error:.1e}",
+                      f"{row['sequential_us']:>8.1f} ({ratio:4.2f}x)  pipelined {row['pipelined_us']}  fused "
+                      f"{row['fused_us']}  symm_mem {symm}  matmul "
+                      f"{row['matmul_us']:>8.1f}  collective {row['collective_us']:>8.1f}  err {error:.1e} {by_shard}",
                       flush=True)
             del a, b, calls
             torch.cuda.empty_cache()
     if rank == 0:
         write_result(args.out, "overlap", world,
                      f"bf16, slowest rank; {args.iters} calls back to back per timed loop (CUDA events), "
-                     f"median of 5 loops after {args.warmup} warm-ups; relative_error: tdist's fused kernels against the "
-                     f"sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
+                     f"median of 5 loops after {args.warmup} warm-ups; relative_error (by_shard: per rank's rows): "
+                     f"tdist's fused kernels, pipelined_relative_error: the pipelined way, against the sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
     dist.destroy_process_group()
 
 

@@ -332,7 +332,7 @@ def served_by_tdist(tg, rank, world, device, gen):
 
 def fused_ops(tg, rank, world, device, gen):
     """torch_tdist.ops on CUDA tensors (bf16, seed-like shapes scaled down, and odd ones), on the
-    sequential path and on the overlapping kernels with both pushers: outputs and gradients
+    sequential path, on the overlapping kernels with both pushers, pipelined, and tuned: outputs and gradients
     against NCCL + torch.matmul in float32; relative error <= 1e-2."""
     _ops_against_nccl(tg, "sequential", rank, world, device, gen)
     if NVSHMEM:
@@ -345,7 +345,14 @@ def fused_ops(tg, rank, world, device, gen):
         served = torch_tdist.get_executor(fg).fused_calls["all_gather_matmul"]
         if served != 2:
             _failures.append(f"fused {pusher}: {served} calls by the overlapping kernel, expected 2")
-    os.environ["TDIST_OVERLAP"] = "tune"  # every tile config runs while tuning
+    os.environ["TDIST_OVERLAP"] = "pipelined"
+    pg = dist.new_group(backend="tdist")
+    del os.environ["TDIST_OVERLAP"]
+    _ops_against_nccl(pg, "pipelined", rank, world, device, gen)
+    served = torch_tdist.get_executor(pg).fused_calls["all_gather_matmul"]
+    if served != 2:
+        _failures.append(f"pipelined: {served} calls overlapped, expected 2")
+    os.environ["TDIST_OVERLAP"] = "tune"  # every way runs while tuning
     tuned = dist.new_group(backend="tdist")
     del os.environ["TDIST_OVERLAP"]
     _ops_against_nccl(tuned, "tuned", rank, world, device, gen)

@@ -25,24 +25,31 @@ def test_all_gather_matmul(pool, dtype, gather_dim, n_bs, seed):
 _FUSED = {}
 
 
-@pytest.fixture(params=["copy_engine", "sm"])
-def fused_pool(world_size, request):
-    """Ranks whose torch_tdist.ops take the overlapping kernels, shards pushed by copies or by
-    the kernel's own programs."""
+OVERLAPPED_WAYS = {  # id: the group's environment
+    "fused copy_engine": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "copy_engine"},
+    "fused sm": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "sm"},
+    "pipelined": {"TDIST_OVERLAP": "pipelined"},
+}
+
+
+@pytest.fixture(params=list(OVERLAPPED_WAYS))
+def overlapped_pool(world_size, request):
+    """Ranks whose torch_tdist.ops overlap the collective: the fused kernels (shards pushed by
+    copies or by the kernel's own programs) or the pipelined copies and torch.matmul."""
     key = (world_size, request.param)
     if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, fused, {key[1]})",
-                               env={"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": request.param})
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {key[1]})",
+                               env=OVERLAPPED_WAYS[request.param])
     yield _FUSED[key]
 
 
-@pytest.fixture
-def fused_small_heap_pool(world_size):
-    """Fused ops asked for, with a 64K heap: shards larger than its bulk area go in rounds."""
-    key = (world_size, "small heap")
+@pytest.fixture(params=["fused", "pipelined"])
+def small_heap_pool(world_size, request):
+    """Overlapped ops asked for, with a 64K heap: shards larger than its bulk area go in rounds."""
+    key = (world_size, f"{request.param}, small heap")
     if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, fused, 64K heap)",
-                               env={"TDIST_OVERLAP": "fused", "TDIST_HEAP_SIZE": "64K"})
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {key[1]}, 64K heap)",
+                               env={"TDIST_OVERLAP": request.param, "TDIST_HEAP_SIZE": "64K"})
     yield _FUSED[key]
 
 
@@ -55,24 +62,24 @@ def teardown_module():
 @ws_param([2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape,n_bs", [("small", 1), ("tiles", 3)])
-def test_overlapped_all_gather_matmul(fused_pool, dtype, shape, n_bs, seed):
+def test_overlapped_all_gather_matmul(overlapped_pool, dtype, shape, n_bs, seed):
     """The fused kernel: every output tile, the gathered A and the gradients."""
-    fused_pool.run(J.all_gather_matmul, dtype, seed, 0, n_bs, shape, True, timeout=240)
+    overlapped_pool.run(J.all_gather_matmul, dtype, seed, 0, n_bs, shape, True, timeout=240)
 
 
 @ws_param([2, 3])
-def test_overlapped_all_gather_matmul_with_weights_of_different_widths(fused_pool, seed):
+def test_overlapped_all_gather_matmul_with_weights_of_different_widths(overlapped_pool, seed):
     """One rank's weight has no columns: its kernel has no tiles but still waits for every
     peer's pushes before the flags are cleared."""
-    fused_pool.run(J.uneven_columns, seed, timeout=120)
+    overlapped_pool.run(J.uneven_columns, seed, timeout=120)
 
 
 @ws_param([2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape,reduce_op", [("small", "sum"), ("tiles", "avg")])
-def test_overlapped_matmul_reduce_scatter(fused_pool, dtype, shape, reduce_op, seed):
+def test_overlapped_matmul_reduce_scatter(overlapped_pool, dtype, shape, reduce_op, seed):
     """The fused kernel: partial products sent as they are made, reduced by their owner."""
-    fused_pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op, shape, True, timeout=240)
+    overlapped_pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op, shape, True, timeout=240)
 
 
 @ws_param([2, 4])
@@ -118,19 +125,19 @@ def test_ops_bad_input(pool, case):
 
 
 @ws_param([2])
-def test_overlapped_ops_larger_than_the_heap_go_in_rounds(fused_small_heap_pool, seed):
+def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed):
     # about 1600 float32 per rank's part fit the 64K heap's bulk slots: 300 x 40 shards of A
     # take 8 rounds, 300 x 50 parts of the product 10; gradients go through both fused ops
-    fused_small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", True, timeout=240)
-    fused_small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "avg", "big", True, timeout=240)
-    fused_small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)
+    small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", True, timeout=240)
+    small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "avg", "big", True, timeout=240)
+    small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)
 
 
 @ws_param([2, 3])
 def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
-    """TDIST_OVERLAP=tune: a shape class's first call times the sequential path and the fused
-    kernels on every rank; all ranks keep the same choice, and the second call uses it without
-    timing again (one call per op: at most one fused call each)."""
+    """TDIST_OVERLAP=tune: a shape class's first call times the sequential path, the pipelined
+    way and the fused kernels on every rank; all ranks keep the same choice, and the second call uses it without
+    timing again (one call per op: at most one overlapped call each)."""
     pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, tune)",
                     env={"TDIST_OVERLAP": "tune"})
     try:
@@ -140,7 +147,7 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
         pool.shutdown()
     choices = results[0][0]
     assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'", "('matmul_reduce_scatter'"], choices
-    assert all(way in ("sequential", "fused 0") for _, way in choices), choices
+    assert all(way in ("sequential", "pipelined 2", "fused 0") for _, way in choices), choices
     assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"
-    expected = sum(way == "fused 0" for _, way in choices)
+    expected = sum(way != "sequential" for _, way in choices)
     assert all(r[1] == expected for r in results), f"second calls made {[r[1] for r in results]} fused calls"

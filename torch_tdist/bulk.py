@@ -105,21 +105,22 @@ class BulkPath:
         return self.world + (flag_set * self.world + sender) * KMAX + k
 
     # ---- steps --------------------------------------------------------------------------
-    def _start_barrier(self, op: str, signature: int):
+    def _start_barrier(self, op: str, signature: int, sides: int | None = None):
         """Every peer has finished its previous call and makes this one (the same
         ``signature``: op, dtype, count, chunks); on the main stream, then the call's side
         streams are ordered after it. From here until the call returns, the group's flags are
         in flight (``in_flight``)."""
         self.in_flight = True
         streams = self._streams
-        streams.begin(self.world - 1)
+        sides = self.world - 1 if sides is None else sides
+        streams.begin(sides)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self.rank), signature)
         for p in self._peers():
             streams.wait_equal(0, self._flag_address(self.rank, p), signature, self.heap.timeout_s,
                                f"{op}: rank {p} to start the same call")
         streams.zero(0, self._flags[:self.world])
-        streams.fork(self.world - 1)
+        streams.fork(sides)
 
     def _push(self, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int, limit: int,
               dst_offset: int, chunk: int, n_chunks: int, pusher: str | None = None):
@@ -270,6 +271,70 @@ class BulkPath:
         self._reduce(op, slots[self.rank * n:], slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(self.rank * n, chunk), push=None)
         self._streams.join(self.world - 1)
+        self.in_flight = False
+
+    def all_gather_pipelined(self, op: str, call_word: int, src: torch.Tensor, chunk: int, consume,
+                             gathered: torch.Tensor):
+        """``gathered`` ([world, n], rows contiguous) = every rank's flat ``src`` (n elements, one
+        round: ``part_capacity``), pulled by a copy engine from the peers' slots in chunks of
+        ``chunk`` elements, each taken on the caller's stream as it lands: ``consume(rank,
+        start, piece)`` is queued for this rank's ``src`` first, then for every chunk of every
+        peer (element ``start`` of its part, ``piece`` its rows of ``gathered``); torch ops run
+        there while later chunks are in flight. Ends with a barrier: a peer refills its slot
+        only after every rank has pulled from it.
+
+        One side stream, chunk-major: a GPU's peer-to-peer copies run one at a time even from
+        several streams (on H200s each takes the whole NVLink bandwidth), so the order they are
+        queued in is the order they land in."""
+        n, world, me, dtype = src.numel(), self.world, self.rank, src.dtype
+        n_chunks = max(1, -(-n // chunk))
+        streams = self._streams
+        streams.begin(1)
+        streams.copy(0, self._slots(dtype)[me * n:(me + 1) * n], src)  # before the barrier tells the peers
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=1)
+        consume(me, 0, src)
+        for k in range(n_chunks):
+            lo, hi = k * chunk, min(n, (k + 1) * chunk)
+            for p in self._peers():
+                streams.copy(1, gathered[p, lo:hi], self._slots(dtype, p)[p * n + lo:p * n + hi])
+                streams.join_one(1)
+                consume(p, lo, gathered[p, lo:hi])
+        streams.copy(1, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
+        streams.join(1)
+        for p in self._peers():
+            streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
+        for p in self._peers():
+            streams.wait_equal(0, self._flag_address(me, self._ready_index(1, p, 0)), 1, self.heap.timeout_s,
+                               f"{op}: rank {p} to finish pulling")
+        self._done_with(1)
+        self.in_flight = False
+
+    def reduce_scatter_pipelined(self, op: str, call_word: int, out: torch.Tensor, chunk: int,
+                                 reduce_op: str, produce):
+        """reduce_scatter whose parts torch ops make on the caller's stream: ``out`` (flat, n) =
+        OP over ranks of their part for this rank. ``produce(rank, start, dst)`` queues elements
+        ``[start, start + dst.numel())`` of this rank's part for ``rank`` into ``dst``: the
+        peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
+        the next is made, this rank's own part last, then the reduce kernel sums the chunks as
+        they land. One round (``part_capacity``), at most KMAX chunks."""
+        n, world, dtype = out.numel(), self.world, out.dtype
+        n_chunks = max(1, -(-n // chunk))
+        self._start_barrier(op, self._signature(call_word, n, n_chunks))
+        staging = torch.empty(world * n, dtype=dtype, device=self.device)
+        slots = self._slots(dtype)
+        for k in range(n_chunks):
+            lo, hi = k * chunk, min(n, (k + 1) * chunk)
+            for stream, d in enumerate(self._peers(), start=1):
+                part = staging[d * n + lo:d * n + hi]
+                produce(d, lo, part)
+                self._streams.hand_over(stream)
+                self._streams.copy(stream, self._slots(dtype, d)[self.rank * n + lo:self.rank * n + hi], part)
+                self._streams.write(stream, self._flag_address(d, self._ready_index(0, self.rank, k)), 1)
+        own = slots[self.rank * n:(self.rank + 1) * n]
+        produce(self.rank, 0, own)
+        self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
+                     offsets=(self.rank * n, chunk), push=None)
+        self._streams.join(world - 1)
         self.in_flight = False
 
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):

@@ -61,12 +61,13 @@ BULK_FROM_BYTES = {
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk")
-# How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "fused" (the
-# overlapping kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's
-# first call the group times the sequential path and every tile config, and keeps the fastest),
-# "auto": sequential for now. It becomes "tune" on GPUs once the overlapping kernels have run
-# there (issue 4); on the CPU it stays sequential (the interpreter's matmuls are slow).
-OVERLAPS = ("auto", "fused", "sequential", "tune")
+# How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
+# engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
+# kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
+# group times the sequential path and every way of the other two, and keeps the fastest),
+# "auto": tune on GPUs, sequential on the CPU (the interpreter's kernels are slow).
+OVERLAPS = ("auto", "fused", "pipelined", "sequential", "tune")
+PIPELINE_CHUNKS = (2,) if language.INTERPRET else (2, 1, 4)  # chunks per rank's part; the first is "pipelined"'s
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".
 GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
@@ -581,6 +582,19 @@ class Executor:
             out.finish()
 
     # ---- fused ops (torch_tdist.ops) ----------------------------------------------------
+    def _overlap_rounds(self, op: str, a: torch.Tensor, rows: int, row_len: int, most_rows: int | None = None):
+        """(first row, rows) of each round of an overlapped op whose part per rank is ``rows``
+        rows of ``row_len`` elements: as many rows as the bulk area holds (at most
+        ``most_rows``). None, counting nothing, when not one row fits (``row_len`` is the same
+        on every rank: they all decide alike)."""
+        self._begin(op, a)
+        per_round = self._bulk.part_capacity(a.dtype) // row_len if row_len else 0
+        per_round = min(per_round, most_rows or per_round)
+        if per_round == 0:
+            return None
+        self.fused_calls[op] += 1
+        return [(row0, min(per_round, rows - row0)) for row0 in range(0, rows, per_round)]
+
     def all_gather_matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                           a_out: torch.Tensor, tiles: dict = GEMM_CONFIGS[0]) -> bool:
         """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``), the matmul taking
@@ -588,17 +602,12 @@ class Executor:
         [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many rows
         as the bulk area holds. False, having done nothing, when not one row fits."""
         op = "all_gather_matmul"
-        self._begin(op, a)
         m, k = a.shape
         n, dtype = b.shape[1], a.dtype
-        if k == 0:  # (K is the same on every rank: they all decide alike)
+        rounds = self._overlap_rounds(op, a, m, k)
+        if rounds is None:
             return False
-        rows_per_round = self._bulk.part_capacity(dtype) // k
-        if rows_per_round == 0:
-            return False
-        self.fused_calls[op] += 1
-        for row0 in range(0, m, rows_per_round):
-            rows = min(rows_per_round, m - row0)
+        for row0, rows in rounds:
 
             def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
                 aligned = _aligned(dtype, (slot_stride, chunk, push_args[1], row0 * k))
@@ -620,17 +629,12 @@ class Executor:
         bulk area holds (at most KMAX row blocks). False, having done nothing, when not one row
         fits."""
         op = "matmul_reduce_scatter"
-        self._begin(op, a)
         m, n = out.shape
-        if n == 0:  # (N is the same on every rank: they all decide alike)
+        rounds = self._overlap_rounds(op, a, m, n, most_rows=KMAX * tiles["BM"])
+        if rounds is None:
             return False
-        rows_per_round = min(self._bulk.part_capacity(out.dtype) // n, KMAX * tiles["BM"])
-        if rows_per_round == 0:
-            return False
-        self.fused_calls[op] += 1
         warps = {} if language.INTERPRET else {"num_warps": 8}
-        for row0 in range(0, m, rows_per_round):
-            rows = min(rows_per_round, m - row0)
+        for row0, rows in rounds:
 
             def produce(slots, slot_stride, ready, counters):
                 self._launch(op, overlap.gemm_rs_kernel, (GEMM_PROGRAMS,), self._heap.ctx, a, b, slots,
@@ -640,6 +644,52 @@ class Executor:
 
             self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_produced(
                 op_, word, flat, rows, tiles["BM"] * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
+        return True
+
+    def all_gather_matmul_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                                    a_out: torch.Tensor, chunks: int) -> bool:
+        """What ``all_gather_matmul`` makes, by the copy engines and torch.matmul: each peer's
+        rows, in ``chunks`` pieces, are pulled into ``a_out`` and multiplied on the caller's
+        stream as they land (``BulkPath.all_gather_pipelined``); this rank's own first."""
+        op = "all_gather_matmul"
+        m, k = a.shape
+        rounds = self._overlap_rounds(op, a, m, k)
+        if rounds is None:
+            return False
+        for row0, rows in rounds:
+            rows_per_chunk = max(-(-rows // chunks), -(-rows // KMAX))
+
+            def consume(rank, start, piece):
+                r0, count = rank * m + row0 + start // k, piece.numel() // k
+                torch.mm(piece.view(count, k), b, out=out[r0:r0 + count])
+
+            a_round = a[row0:row0 + rows].reshape(-1)
+            # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
+            gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
+            self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pipelined(
+                op_, word, flat, rows_per_chunk * k, consume, gathered), out, a_round)
+        return True
+
+    def matmul_reduce_scatter_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                                        reduce_op: str, chunks: int) -> bool:
+        """What ``matmul_reduce_scatter`` makes, by torch.matmul and the copy engines: the
+        partial products for each peer, in ``chunks`` pieces, are pushed while the next are
+        made, this rank's own last, then summed as they land
+        (``BulkPath.reduce_scatter_pipelined``)."""
+        op = "matmul_reduce_scatter"
+        m, n = out.shape
+        rounds = self._overlap_rounds(op, a, m, n)
+        if rounds is None:
+            return False
+        for row0, rows in rounds:
+            rows_per_chunk = max(-(-rows // chunks), -(-rows // KMAX))
+
+            def produce(rank, start, dst):
+                r0, count = rank * m + row0 + start // n, dst.numel() // n
+                torch.mm(a[r0:r0 + count], b, out=dst.view(count, n))
+
+            self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
+                op_, word, flat, rows_per_chunk * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
         return True
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):

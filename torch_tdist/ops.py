@@ -13,10 +13,12 @@ ops that take the group by name, with fake kernels (torch.compile traces them wi
 matmul with the gathered operand.
 
 How they run (``TDIST_OVERLAP``, see ``collectives.OVERLAPS``): the sequential path (the group's
-collective, then ``torch.matmul``) or the overlapping kernels (``Executor.all_gather_matmul`` /
-``matmul_reduce_scatter``, along dim 0), one of their tile configs. With "tune" the group times
-them all on a shape's first call and keeps the fastest, so a shape where overlap cannot pay
-stays sequential.
+collective, then ``torch.matmul``); pipelined (along dim 0: the copy engines move chunks while
+torch.matmul takes the ones that have landed, ``Executor.all_gather_matmul_pipelined`` /
+``matmul_reduce_scatter_pipelined``); or fused (one Triton kernel computes tiles as their chunks
+land, ``Executor.all_gather_matmul`` / ``matmul_reduce_scatter``), one of their tile configs.
+With "tune" the group times them all on a shape's first call and keeps the fastest, so a shape
+where overlap cannot pay stays sequential.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .backend import _tdist_backend, get_executor
-from .collectives import GEMM_CONFIGS
+from .collectives import GEMM_CONFIGS, PIPELINE_CHUNKS
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -94,7 +96,8 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 
 
 # ---- choosing how to run -------------------------------------------------------------------
-TUNE_RUNS = 3  # timed calls of each way, after one warm-up, when a shape class is tuned
+TUNE_RUNS = 5  # timed calls of each way, after one warm-up, when a shape class is tuned
+OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
 
 def _rows_class(t: Tensor) -> int:
@@ -104,18 +107,27 @@ def _rows_class(t: Tensor) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def _run(group, key, sequential, fused):
+def _ways() -> dict:
+    """name -> way of the overlapped ops: ("pipelined", chunks) or ("fused", tile config)."""
+    return {**{f"pipelined {c}": ("pipelined", c) for c in PIPELINE_CHUNKS},
+            **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
+
+
+def _run(group, key, sequential, overlapped):
     """The op's result, computed the way the group's policy says (module docstring).
-    ``fused(tiles)``: the overlapping kernels with one of GEMM_CONFIGS, None where they cannot
-    run; ``fused`` None: they cannot for this call."""
+    ``overlapped(way)``: the op overlapped one of ``_ways()``'s ways, None where it cannot run;
+    ``overlapped`` None: it cannot for this call."""
     executor = get_executor(group)
     policy = executor.overlap
-    if fused is None or policy in ("sequential", "auto"):
+    if policy == "auto":
+        policy = "tune" if executor.heap.device.type == "cuda" else "sequential"
+    if overlapped is None or policy == "sequential":
         return sequential()
+    if policy == "pipelined":
+        return _or_sequential(overlapped(("pipelined", PIPELINE_CHUNKS[0])), sequential)
     if policy == "fused":
-        return _or_sequential(fused(GEMM_CONFIGS[0]), sequential)
-    ways = {"sequential": sequential,
-            **{f"fused {i}": (lambda t=t: fused(t)) for i, t in enumerate(GEMM_CONFIGS)}}
+        return _or_sequential(overlapped(("fused", GEMM_CONFIGS[0])), sequential)
+    ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in _ways().items()}}
     choice = executor.tuned.get(key)
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -129,13 +141,17 @@ def _or_sequential(result, sequential):
 
 
 def _fastest(group, device: torch.device, ways: dict) -> str:
-    """The way with the least time per call, each timed on every rank in the same order; the
-    slowest rank's time counts, so every rank picks the same."""
+    """The way with the least time per call, each timed on every rank in the same order, the
+    ranks starting each timing together; the slowest rank's time counts, so every rank picks
+    the same. Another way replaces "sequential" only if it is OVERLAP_MARGIN faster (timings
+    of a few calls are noisy, and a wrong pick costs every later call)."""
     times = []
+    aligned = torch.zeros(1, device=device)
     for way in ways.values():
         if way() is None:  # (also the warm-up: compiles)
             times.append(float("inf"))
             continue
+        dist.all_reduce(aligned, group=group)
         _synchronize()
         start = time.perf_counter()
         for _ in range(TUNE_RUNS):
@@ -144,7 +160,12 @@ def _fastest(group, device: torch.device, ways: dict) -> str:
         times.append((time.perf_counter() - start) / TUNE_RUNS)
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return list(ways)[int(torch.argmin(slowest.cpu()))]
+    slowest = slowest.cpu()
+    names = list(ways)
+    best = int(torch.argmin(slowest))
+    if slowest[best] > OVERLAP_MARGIN * slowest[names.index("sequential")]:
+        return "sequential"
+    return names[best]
 
 
 def _synchronize():
@@ -187,19 +208,21 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
     return _run(group, key, sequential,
-                (lambda tiles: _fused_all_gather_matmul(a_shard, bs, group, tiles)) if dim == 0 else None)
+                (lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way)) if dim == 0 else None)
 
 
-def _fused_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, tiles: dict):
-    """The overlapped kernel (``Executor.all_gather_matmul``) for a gather along dim 0, or None
-    where the heap cannot take it."""
+def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple):
+    """The op overlapped (``Executor.all_gather_matmul``, or ``..._pipelined``) for a gather
+    along dim 0, or None where the heap cannot take it."""
     executor = get_executor(group)
     k, world = a_shard.shape[-1], group.size()
     a = a_shard.reshape(-1, k).contiguous()
     b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
     out = a.new_empty((world * a.shape[0], b.shape[1]))
     a_full = a.new_empty((world * a.shape[0], k))
-    if not executor.all_gather_matmul(a, b, out, a_full, tiles):
+    kind, setting = way
+    run = executor.all_gather_matmul_pipelined if kind == "pipelined" else executor.all_gather_matmul
+    if not run(a, b, out, a_full, setting):
         return None
     lead = (world * a_shard.shape[0], *a_shard.shape[1:-1])
     widths = [w.shape[1] for w in bs]
@@ -253,17 +276,19 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
     return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
-                (lambda tiles: _fused_matmul_reduce_scatter(a, b, group, reduce_op, tiles)) if dim == 0 else None)
+                (lambda way: _overlapped_matmul_reduce_scatter(a, b, group, reduce_op, way)) if dim == 0 else None)
 
 
-def _fused_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, tiles: dict):
-    """The overlapped kernels (``Executor.matmul_reduce_scatter``) for a scatter along dim 0, or
-    None where the heap cannot take it."""
+def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, way: tuple):
+    """The op overlapped (``Executor.matmul_reduce_scatter``, or ``..._pipelined``) for a
+    scatter along dim 0, or None where the heap cannot take it."""
     executor = get_executor(group)
     world = group.size()
     rows = a.reshape(-1, a.shape[-1])
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
-    if not executor.matmul_reduce_scatter(rows, b, out, reduce_op, tiles):
+    kind, setting = way
+    run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
+    if not run(rows, b, out, reduce_op, setting):
         return None
     return out.view(a.shape[0] // world, *a.shape[1:-1], b.shape[1])
 

@@ -53,6 +53,23 @@ class Streams:
         for _, handle, _ in self._side[:sides]:
             _check(cu.cuStreamWaitEvent(handle, self._main_event, 0), "cuStreamWaitEvent")
 
+    def hand_over(self, stream: int):
+        """Order side stream ``stream`` after everything queued on the main stream so far."""
+        if self.on_cpu:
+            return
+        cu = _driver()
+        _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
+        _check(cu.cuStreamWaitEvent(self._side[stream - 1][1], self._main_event, 0), "cuStreamWaitEvent")
+
+    def join_one(self, stream: int):
+        """Order the main stream after everything queued on side stream ``stream`` so far."""
+        if self.on_cpu:
+            return
+        cu = _driver()
+        _, handle, event = self._side[stream - 1]
+        _check(cu.cuEventRecord(event, handle), "cuEventRecord")
+        _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
+
     def join(self, sides: int):
         """Order the main stream after everything queued on the first ``sides`` side streams."""
         if self.on_cpu:

@@ -69,14 +69,19 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, row0, m_
             acc = tl.full((BM, BN), 0.0, tl.float32)  # (tl.zeros is a jit function the interpreter cannot call)
             for k0 in range(0, K, BK):
                 ks = k0 + offs_k
-                a_mask = (rows[:, None] < m) & (ks[None, :] < K)
-                a_tile = tl.load(a + rows[:, None].to(tl.int64) * K + ks[None, :], mask=a_mask, other=0.0)
+                a_tile = tl.load(a + rows[:, None].to(tl.int64) * K + ks[None, :],
+                                 mask=(rows[:, None] < m) & (ks[None, :] < K), other=0.0)
                 b_tile = tl.load(b + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                                  mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
                 acc = _mma(acc, a_tile, b_tile, IEEE, UPCAST)
-                if cb == 0:
-                    tl.store(a_out + (s * m_shard + row0 + rows)[:, None].to(tl.int64) * K + ks[None, :], a_tile,
-                             mask=a_mask)
+            if cb == 0:
+                # A's rows to a_out in a pass of their own: storing a_tile inside the loop above
+                # gave wrong products with 8 warps and 3 stages on H200s (Triton 3.x)
+                for k0 in range(0, K, BK):
+                    ks = k0 + offs_k
+                    a_mask = (rows[:, None] < m) & (ks[None, :] < K)
+                    tl.store(a_out + (s * m_shard + row0 + rows)[:, None].to(tl.int64) * K + ks[None, :],
+                             tl.load(a + rows[:, None].to(tl.int64) * K + ks[None, :], mask=a_mask), mask=a_mask)
             out_rows = (s * m_shard + row0 + rows)[:, None].to(tl.int64)
             tl.store(c + out_rows * N + cols[None, :], acc.to(c.dtype.element_ty),
                      mask=(rows[:, None] < m) & (cols[None, :] < N))
