@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh [demo|test|bench|overlap|soak|moe|badinput|all]   (all: demo, test, bench, moe)
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
+# (benchmarks/timeline.py shows what one call of an op does on the GPU, stream by stream.)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
@@ -22,9 +23,10 @@ if [ "$what" = demo ] || [ "$what" = all ]; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if [ "$what" = test ] || [ "$what" = all ]; then
-  # TEST_ARGS splits the runs across device calls (each call gets at most 600 s), e.g. "-k 4-cuda"
+  # TEST_K (a pytest -k expression) splits the runs across device calls (each call gets at most
+  # 600 s), e.g. TEST_K="4-cuda or bad_input"
   TDIST_CHECK_TIMEOUT=${TDIST_CHECK_TIMEOUT:-150} timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py \
-    -q -s -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+    -q -s -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = soak ]; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1

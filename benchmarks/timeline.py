@@ -1,0 +1,65 @@
+"""What one call of torch_tdist.ops does on the GPU, stream by stream (rank 0's, by the torch
+profiler): when each kernel, copy and memset started and how long it ran. Used to find out why a
+way of overlapping is slower than it should be (copies that serialise, matmuls waiting on them).
+
+    torchrun --nproc-per-node 4 benchmarks/timeline.py [--op ag_gemm|gemm_rs] [--shape MxNxK]
+             [--overlap pipelined|fused|sequential] [--out DIR]
+
+Shapes as in benchmarks/overlap.py; bf16. Prints the events of two calls after three warm-ups and
+writes the Chrome trace to ``DIR/timeline_<op>_<overlap>.json`` (chrome://tracing, Perfetto).
+"""
+
+import argparse
+import json
+import os
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402
+from overlap import _operands  # noqa: E402
+from timing import start_job  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--op", default="ag_gemm", choices=("ag_gemm", "gemm_rs"))
+    parser.add_argument("--shape", default="8192x4096x12288")
+    parser.add_argument("--overlap", default="pipelined", choices=("pipelined", "fused", "sequential"))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    rank, world, device = start_job()
+    os.environ["TDIST_OVERLAP"] = args.overlap
+    group = dist.new_group(backend="tdist")
+    m, n, k = (int(v) for v in args.shape.split("x"))
+    a, b = _operands(args.op, m, n, k, world, device, torch.Generator(device).manual_seed(rank))
+    op = torch_tdist.ops.all_gather_matmul if args.op == "ag_gemm" else torch_tdist.ops.matmul_reduce_scatter
+    for _ in range(3):
+        op(a, b, group=group)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            op(a, b, group=group)
+        torch.cuda.synchronize()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"timeline_{args.op}_{args.overlap}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"]
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        t0 = min(e["ts"] for e in events)
+        print(f"{args.op} {args.shape} {args.overlap}, rank 0: stream, start (us), duration (us), what")
+        for e in sorted(events, key=lambda e: e["ts"]):
+            print(f"  {e['args'].get('stream')!s:>4} {e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:80]}")
+        print("wrote", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
