@@ -283,9 +283,7 @@ def bulk_path(tg, rank, world, device, gen):
     if NVSHMEM:  # more NVSHMEM heaps of 1 GB per rank than the runs allow for
         return
     for pusher in bulk.PUSHERS:
-        os.environ.update(TDIST_ALGORITHM="bulk", TDIST_BULK_PUSH=pusher)
-        bg = dist.new_group(backend="tdist")
-        del os.environ["TDIST_ALGORITHM"], os.environ["TDIST_BULK_PUSH"]
+        bg = _tdist_group({"TDIST_ALGORITHM": "bulk", "TDIST_BULK_PUSH": pusher})
         chunk_bytes = bulk.CHUNK_BYTES[pusher]
         bulk.CHUNK_BYTES[pusher] = 1 << 20
         _bulk_calls(bg, pusher, world, device, gen)
@@ -337,27 +335,29 @@ def fused_ops(tg, rank, world, device, gen):
     _ops_against_nccl(tg, "sequential", rank, world, device, gen)
     if NVSHMEM:
         return
-    for pusher in ("sm", "copy_engine"):
-        os.environ.update(TDIST_OVERLAP="fused", TDIST_BULK_PUSH=pusher)
-        fg = dist.new_group(backend="tdist")
-        del os.environ["TDIST_OVERLAP"], os.environ["TDIST_BULK_PUSH"]
-        _ops_against_nccl(fg, f"fused {pusher}", rank, world, device, gen)
-        served = torch_tdist.get_executor(fg).fused_calls["all_gather_matmul"]
+    overlapped = {"fused sm": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "sm"},
+                  "fused copy_engine": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "copy_engine"},
+                  "pipelined": {"TDIST_OVERLAP": "pipelined"}}
+    for label, env in overlapped.items():
+        og = _tdist_group(env)
+        _ops_against_nccl(og, label, rank, world, device, gen)
+        served = torch_tdist.get_executor(og).fused_calls["all_gather_matmul"]
         if served != 2:
-            _failures.append(f"fused {pusher}: {served} calls by the overlapping kernel, expected 2")
-    os.environ["TDIST_OVERLAP"] = "pipelined"
-    pg = dist.new_group(backend="tdist")
-    del os.environ["TDIST_OVERLAP"]
-    _ops_against_nccl(pg, "pipelined", rank, world, device, gen)
-    served = torch_tdist.get_executor(pg).fused_calls["all_gather_matmul"]
-    if served != 2:
-        _failures.append(f"pipelined: {served} calls overlapped, expected 2")
-    os.environ["TDIST_OVERLAP"] = "tune"  # every way runs while tuning
-    tuned = dist.new_group(backend="tdist")
-    del os.environ["TDIST_OVERLAP"]
+            _failures.append(f"{label}: {served} calls overlapped, expected 2")
+    tuned = _tdist_group({"TDIST_OVERLAP": "tune"})  # every way runs while tuning
     _ops_against_nccl(tuned, "tuned", rank, world, device, gen)
     if rank == 0:
         print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
+
+
+def _tdist_group(env: dict):
+    """A new tdist group created with ``env`` set (the options a group reads when it is made)."""
+    os.environ.update(env)
+    try:
+        return dist.new_group(backend="tdist")
+    finally:
+        for key in env:
+            del os.environ[key]
 
 
 def _ops_against_nccl(tg, label, rank, world, device, gen):

@@ -123,10 +123,8 @@ def _run(group, key, sequential, overlapped):
         policy = "tune" if executor.heap.device.type == "cuda" else "sequential"
     if overlapped is None or policy == "sequential":
         return sequential()
-    if policy == "pipelined":
-        return _or_sequential(overlapped(("pipelined", PIPELINE_CHUNKS[0])), sequential)
-    if policy == "fused":
-        return _or_sequential(overlapped(("fused", GEMM_CONFIGS[0])), sequential)
+    if policy in ("pipelined", "fused"):  # the kind's first way
+        return _or_sequential(overlapped(next(w for w in _ways().values() if w[0] == policy)), sequential)
     ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in _ways().items()}}
     choice = executor.tuned.get(key)
     if choice is None:

@@ -46,20 +46,19 @@ class Streams:
 
     def fork(self, sides: int):
         """Order the first ``sides`` side streams after everything queued on the main stream."""
-        if self.on_cpu:
-            return
-        cu = _driver()
-        _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
-        for _, handle, _ in self._side[:sides]:
-            _check(cu.cuStreamWaitEvent(handle, self._main_event, 0), "cuStreamWaitEvent")
+        self._after_main(self._side[:sides])
 
     def hand_over(self, stream: int):
         """Order side stream ``stream`` after everything queued on the main stream so far."""
+        self._after_main(self._side[stream - 1:stream])
+
+    def _after_main(self, sides: list):
         if self.on_cpu:
             return
         cu = _driver()
         _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
-        _check(cu.cuStreamWaitEvent(self._side[stream - 1][1], self._main_event, 0), "cuStreamWaitEvent")
+        for _, handle, _ in sides:
+            _check(cu.cuStreamWaitEvent(handle, self._main_event, 0), "cuStreamWaitEvent")
 
     def join_one(self, stream: int):
         """Order the main stream after everything queued on side stream ``stream`` so far."""
@@ -72,12 +71,8 @@ class Streams:
 
     def join(self, sides: int):
         """Order the main stream after everything queued on the first ``sides`` side streams."""
-        if self.on_cpu:
-            return
-        cu = _driver()
-        for _, handle, event in self._side[:sides]:
-            _check(cu.cuEventRecord(event, handle), "cuEventRecord")
-            _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
+        for stream in range(1, sides + 1):
+            self.join_one(stream)
 
     def _handle(self, stream: int):
         return self._main if stream == 0 else self._side[stream - 1][1]
