@@ -71,8 +71,9 @@ PYBIND11_MODULE(_C, m) {
           &ProcessGroupTDist::setGpuSizeLimit,
           py::arg("op"),
           py::arg("max_bytes"),
-          "GPU calls of `op` larger than `max_bytes` (-1: any) go to the "
-          "fallback")
+          py::arg("served_from") = -1,
+          "GPU calls of `op` larger than `max_bytes` (-1: any) and smaller "
+          "than `served_from` (-1: any) go to the fallback")
       .def(
           "set_gpu_uneven_all_to_all",
           &ProcessGroupTDist::setGpuUnevenAllToAll,

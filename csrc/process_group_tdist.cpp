@@ -549,6 +549,7 @@ ProcessGroupTDist::ProcessGroupTDist(
       timeout_(timeout),
       executor_(std::move(executor)) {
   gpuMaxBytes_.fill(-1);
+  gpuServedFrom_.fill(-1);
   for (const auto& name : devices) {
     devices_.push_back(c10::Device(name).type());
   }
@@ -781,15 +782,20 @@ ProcessGroupTDist::Route ProcessGroupTDist::limitBySize(
     return Route::Fallback;
   }
   int64_t limit = gpuMaxBytes_[static_cast<int>(op)];
-  return limit >= 0 && bytes > limit ? Route::Fallback : route;
+  int64_t servedFrom = gpuServedFrom_[static_cast<int>(op)];
+  bool between = limit >= 0 && bytes > limit &&
+      (servedFrom < 0 || bytes < servedFrom);
+  return between ? Route::Fallback : route;
 }
 
 void ProcessGroupTDist::setGpuSizeLimit(
     const std::string& name,
-    int64_t maxBytes) {
+    int64_t maxBytes,
+    int64_t servedFrom) {
   for (int i = 0; i < kNumOps; ++i) {
     if (name == kOpNames[i]) {
       gpuMaxBytes_[i] = maxBytes;
+      gpuServedFrom_[i] = servedFrom;
       return;
     }
   }

@@ -239,9 +239,13 @@ class ProcessGroupTDist : public c10d::Backend {
   py::dict stats() const;
 
   // GPU calls of `opName` whose message is larger than `maxBytes` (-1: no
-  // limit) go to the fallback (NCCL), as do all-to-alls whose ranks may send
-  // different sizes unless `uneven` (the choice must agree across ranks).
-  void setGpuSizeLimit(const std::string& opName, int64_t maxBytes);
+  // limit) and smaller than `servedFrom` (-1: any larger one) go to the
+  // fallback (NCCL), as do all-to-alls whose ranks may send different sizes
+  // unless `uneven` (the choice must agree across ranks).
+  void setGpuSizeLimit(
+      const std::string& opName,
+      int64_t maxBytes,
+      int64_t servedFrom);
   void setGpuUnevenAllToAll(bool served);
   void resetStats();
 
@@ -335,6 +339,7 @@ class ProcessGroupTDist : public c10d::Backend {
   std::vector<c10::DeviceType> devices_;
 
   std::array<int64_t, kNumOps> gpuMaxBytes_;
+  std::array<int64_t, kNumOps> gpuServedFrom_;
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU

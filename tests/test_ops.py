@@ -127,7 +127,8 @@ def test_ops_bad_input(pool, case):
 @ws_param([2])
 def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed):
     # about 1600 float32 per rank's part fit the 64K heap's bulk slots: 300 x 40 shards of A
-    # take 8 rounds, 300 x 50 parts of the product 10; gradients go through both fused ops
+    # take 8 rounds (4 when pulled: a part may fill the area), 300 x 50 parts of the product
+    # 10; gradients go through both overlapped ops
     small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", True, timeout=240)
     small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "avg", "big", True, timeout=240)
     small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)

@@ -89,8 +89,8 @@ def _create_backend(dist_opts, backend_options):
     served = [d for d in getattr(executor, "served_devices", []) if d in devices]
     fallbacks = _make_fallbacks(dist_opts, devices)
     pg = _C.ProcessGroupTDist(store, rank, size, timeout, executor, fallbacks, served, devices)
-    for op, max_bytes in getattr(executor, "gpu_size_limits", {}).items():
-        pg.set_gpu_size_limit(op, -1 if max_bytes is None else max_bytes)
+    for op, (max_bytes, served_from) in getattr(executor, "gpu_size_limits", {}).items():
+        pg.set_gpu_size_limit(op, -1 if max_bytes is None else max_bytes, -1 if served_from is None else served_from)
     pg.set_gpu_uneven_all_to_all(getattr(executor, "gpu_uneven_all_to_all", True))
     return pg
 

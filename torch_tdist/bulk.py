@@ -1,14 +1,18 @@
-"""Large all_gather, reduce_scatter and all_reduce: every rank pushes its data into its peers'
-heaps in chunks, raising a flag after each chunk: with plain copies (on GPUs the copy engines,
-one side stream per peer, flags by ``stream_ops``) or by the first programs of the receiving
-kernel itself (``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as
-its flags are up (``triton_kernels/bulk.py``), so copying out or reducing overlaps the transfer.
+"""Large all_gather, reduce_scatter and all_reduce between heaps, in rounds (a piece of the
+message that fits the bulk area), on the group's stream.
 
-Each round (a piece of the message that fits the bulk area), on the group's stream:
+all_gather pulls: every rank copies its input into its own area, passes the start barrier, and
+one copy engine pulls each peer's area into the output, one copy per peer (on H200s faster than
+any push, and than several streams at once: benchmarks/results/transfer_probe_NVIDIA_H200-x4.json);
+an end barrier follows, since a rank refills its area only once every peer has pulled from it.
+
+reduce_scatter and all_reduce push: every rank pushes its data into its peers' slots in chunks,
+raising a flag after each chunk: with plain copies (on GPUs the copy engines, one side stream
+per peer, flags by ``stream_ops``) or by the first programs of the receiving kernel itself
+(``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags are
+up (``triton_kernels/bulk.py``), so reducing or copying out overlaps the transfer:
 
 - start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them;
-- all_gather: push the input to every peer's slot [me]; the gather kernel copies each arrived
-  chunk into the output (and the input into this rank's part);
 - reduce_scatter: push input part ``p`` to peer ``p``'s slot [me]; the reduce kernel combines
   each arrived chunk in rank order (this rank's part read from the input) into the output;
 - all_reduce: reduce_scatter's push and reduction into a "reduced" slot, then all_gather's push
@@ -228,16 +232,23 @@ class BulkPath:
         self.in_flight = False
 
     def all_gather(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor):
-        """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order."""
-        n, me = src.numel(), self.rank
-        for start, length, chunk, n_chunks in self._slot_rounds(op, call_word, n, src.dtype):
-            push = self._push(0, src[start:], 0, length, NO_LIMIT, me * length, chunk, n_chunks)
-            self._gather(op, src[start:], self._slots(src.dtype), length, 0, out[start:], n, length,
-                         self.world * n, chunk, n_chunks, offsets=(start, length, n), push=push)
+        """``out`` (flat, world x n) = every rank's flat ``src`` (n elements) in rank order,
+        pulled from the peers' areas (``all_gather_pulled``) in rounds of ``pull_capacity``."""
+        n, world = src.numel(), self.world
+        capacity = self.pull_capacity(src.dtype)
+        for start in range(0, n, capacity):
+            length = min(capacity, n - start)
+            self.all_gather_pulled(op, call_word, src[start:start + length],
+                                   out.view(world, n)[:, start:start + length])
 
     def part_capacity(self, dtype: torch.dtype) -> int:
         """Elements of each rank's part that fit the slots in one round."""
         return self._slot_length(dtype, self.world)
+
+    def pull_capacity(self, dtype: torch.dtype) -> int:
+        """Elements a rank's part may have in one round of ``all_gather_pulled`` (the whole
+        area: every rank pulls from its peers' own data)."""
+        return self._slot_length(dtype, 1)
 
     def all_gather_consumed(self, op: str, call_word: int, src: torch.Tensor, consume):
         """all_gather's pushes of flat ``src`` in one round (``part_capacity``), taken by the
@@ -273,34 +284,41 @@ class BulkPath:
         self._streams.join(self.world - 1)
         self.in_flight = False
 
-    def all_gather_pipelined(self, op: str, call_word: int, src: torch.Tensor, chunk: int, consume,
-                             gathered: torch.Tensor):
+    def all_gather_pulled(self, op: str, call_word: int, src: torch.Tensor, gathered: torch.Tensor,
+                          chunk: int | None = None, consume=None):
         """``gathered`` ([world, n], rows contiguous) = every rank's flat ``src`` (n elements, one
-        round: ``part_capacity``), pulled by a copy engine from the peers' slots in chunks of
-        ``chunk`` elements, each taken on the caller's stream as it lands: ``consume(rank,
-        start, piece)`` is queued for this rank's ``src`` first, then for every chunk of every
-        peer (element ``start`` of its part, ``piece`` its rows of ``gathered``); torch ops run
-        there while later chunks are in flight. Ends with a barrier: a peer refills its slot
-        only after every rank has pulled from it.
+        round: ``pull_capacity``): ``src`` is copied into this rank's area, then a copy engine
+        pulls each peer's area into its row. Ends with a barrier: a peer refills its slot only
+        after every rank has pulled from it.
 
-        One side stream, chunk-major: a GPU's peer-to-peer copies run one at a time even from
-        several streams (on H200s each takes the whole NVLink bandwidth), so the order they are
-        queued in is the order they land in."""
-        n, world, me, dtype = src.numel(), self.world, self.rank, src.dtype
+        With ``consume``, the pulls go in chunks of ``chunk`` elements on a side stream, each
+        taken on the caller's stream as it lands: ``consume(rank, start, piece)`` is queued for
+        this rank's ``src`` first, then for every chunk of every peer (element ``start`` of its
+        part, ``piece`` its rows of ``gathered``); torch ops run there while later chunks are in
+        flight.
+
+        One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
+        several streams at once, or in smaller pieces, were slower (benchmarks/results/
+        transfer_probe_NVIDIA_H200-x4.json), so the order they are queued in is the order they
+        land in."""
+        n, me, dtype = src.numel(), self.rank, src.dtype
+        chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
-        streams = self._streams
-        streams.begin(1)
-        streams.copy(0, self._slots(dtype)[me * n:(me + 1) * n], src)  # before the barrier tells the peers
-        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=1)
-        consume(me, 0, src)
+        streams, pulls = self._streams, 1 if consume else 0
+        streams.begin(pulls)
+        streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=pulls)
+        if consume:
+            consume(me, 0, src)
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
             for p in self._peers():
-                streams.copy(1, gathered[p, lo:hi], self._slots(dtype, p)[p * n + lo:p * n + hi])
-                streams.join_one(1)
-                consume(p, lo, gathered[p, lo:hi])
-        streams.copy(1, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
-        streams.join(1)
+                streams.copy(pulls, gathered[p, lo:hi], self._slots(dtype, p)[lo:hi])
+                if consume:
+                    streams.join_one(pulls)
+                    consume(p, lo, gathered[p, lo:hi])
+        streams.copy(pulls, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
+        streams.join(pulls)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
         for p in self._peers():

@@ -48,17 +48,21 @@ GPU_SIZE_LIMITS = {
     "broadcast": 1 << 20, "all_to_all_single": 16 << 10,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
+_BULK_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
 
 # Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
-# all_reduce take the bulk path (None: never). On the CPU it beats the interpreted one-shot
-# kernel from a few MB for all_gather and reduce_scatter, not for all_reduce. On H200s it was
+# all_reduce take the bulk path (None: never); on GPUs that overrides GPU_SIZE_LIMITS from there
+# on. On the CPU it beats the interpreted one-shot kernel from a few MB for all_gather and
+# reduce_scatter, not for all_reduce. On H200s the pushes of reduce_scatter and all_reduce were
 # 0.53x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
-# x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json), so large GPU messages still go to NCCL.
+# x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json); all_gather's copy-engine pulls
+# (collectives_NVIDIA_H200-x4-bulk-pull.json) match NCCL from 64 MB.
 # TDIST_ALGORITHM=oneshot|bulk forces one path at every size, with no size handed to NCCL (to
 # measure them).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
-    "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
+    "cuda": {"all_gather": 64 << 20, "reduce_scatter": None, "all_reduce": None},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
@@ -159,7 +163,9 @@ class Executor:
         if self.overlap not in OVERLAPS:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
-        self.gpu_size_limits = GPU_SIZE_LIMITS if limited else {}
+        # op -> (most bytes the one-shot kernels serve, bytes from which the bulk path does)
+        self.gpu_size_limits = {op: (limit, BULK_FROM_BYTES["cuda"].get(_BULK_FAMILY.get(op)))
+                                for op, limit in GPU_SIZE_LIMITS.items()} if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
 
     # ---- state -------------------------------------------------------------------------
@@ -582,13 +588,16 @@ class Executor:
             out.finish()
 
     # ---- fused ops (torch_tdist.ops) ----------------------------------------------------
-    def _overlap_rounds(self, op: str, a: torch.Tensor, rows: int, row_len: int, most_rows: int | None = None):
+    def _overlap_rounds(self, op: str, a: torch.Tensor, rows: int, row_len: int, pulled: bool = False,
+                        most_rows: int | None = None):
         """(first row, rows) of each round of an overlapped op whose part per rank is ``rows``
-        rows of ``row_len`` elements: as many rows as the bulk area holds (at most
-        ``most_rows``). None, counting nothing, when not one row fits (``row_len`` is the same
-        on every rank: they all decide alike)."""
+        rows of ``row_len`` elements: as many rows as the bulk area holds (each rank's part in
+        its own slot, or ``pulled``: in the whole area; at most ``most_rows``). None, counting
+        nothing, when not one row fits (``row_len`` is the same on every rank: they all decide
+        alike)."""
         self._begin(op, a)
-        per_round = self._bulk.part_capacity(a.dtype) // row_len if row_len else 0
+        capacity = self._bulk.pull_capacity if pulled else self._bulk.part_capacity
+        per_round = capacity(a.dtype) // row_len if row_len else 0
         per_round = min(per_round, most_rows or per_round)
         if per_round == 0:
             return None
@@ -650,10 +659,10 @@ class Executor:
                                     a_out: torch.Tensor, chunks: int) -> bool:
         """What ``all_gather_matmul`` makes, by the copy engines and torch.matmul: each peer's
         rows, in ``chunks`` pieces, are pulled into ``a_out`` and multiplied on the caller's
-        stream as they land (``BulkPath.all_gather_pipelined``); this rank's own first."""
+        stream as they land (``BulkPath.all_gather_pulled``); this rank's own first."""
         op = "all_gather_matmul"
         m, k = a.shape
-        rounds = self._overlap_rounds(op, a, m, k)
+        rounds = self._overlap_rounds(op, a, m, k, pulled=True)
         if rounds is None:
             return False
         for row0, rows in rounds:
@@ -666,16 +675,17 @@ class Executor:
             a_round = a[row0:row0 + rows].reshape(-1)
             # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
             gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
-            self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pipelined(
-                op_, word, flat, rows_per_chunk * k, consume, gathered), out, a_round)
+            self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pulled(
+                op_, word, flat, gathered, rows_per_chunk * k, consume), out, a_round)
         return True
 
     def matmul_reduce_scatter_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                                         reduce_op: str, chunks: int) -> bool:
         """What ``matmul_reduce_scatter`` makes, by torch.matmul and the copy engines: the
         partial products for each peer, in ``chunks`` pieces, are pushed while the next are
-        made, this rank's own last, then summed as they land
-        (``BulkPath.reduce_scatter_pipelined``)."""
+        made, this rank's own last, then summed as they land (``BulkPath.reduce_scatter_pipelined``;
+        torch.matmul writing them straight into the peers' heaps was 1.2x to 1.35x slower on
+        H200s: benchmarks/results/overlap_NVIDIA_H200-x4-rs-remote-write.json)."""
         op = "matmul_reduce_scatter"
         m, n = out.shape
         rounds = self._overlap_rounds(op, a, m, n)
