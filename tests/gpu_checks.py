@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
+from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.uint8)
@@ -132,9 +133,14 @@ def every_op(tg, rank, world, device, gen):
 
 
 def uneven_all_to_all(tg, rank, world, device, gen):
+    """all_to_all_single through tdist's kernel (on GPUs NCCL serves it by default): uneven
+    splits, then even ones, on a group whose size limits are lifted."""
+    kg = _tdist_group({"TDIST_GPU_SIZE_LIMITS": "0"})
     for trial in range(REPEATS):
         g = torch.Generator().manual_seed(100 + trial)  # the same split table on every rank
         splits = torch.randint(0, 300, (world, world), generator=g)  # splits[src][dst] rows
+        if trial % 2:
+            splits[:] = 1 + trial
         row = 7168 // 16
         src = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
 
@@ -142,7 +148,11 @@ def uneven_all_to_all(tg, rank, world, device, gen):
             out = torch.full((int(splits[:, rank].sum()), row), 7, dtype=src.dtype, device=device)
             dist.all_to_all_single(out, src, splits[:, rank].tolist(), splits[rank].tolist(), group=grp)
             return out
-        _check(f"all_to_all_single uneven #{trial}", *_pair(a2a, tg))
+        _check(f"all_to_all_single {'even' if trial % 2 else 'uneven'} #{trial}", *_pair(a2a, kg))
+    global _checked
+    _checked += 1
+    if torch_tdist.stats(kg)["all_to_all_single"]["tdist"] != REPEATS:
+        _failures.append(f"all_to_all_single: not every call served by tdist: {torch_tdist.stats(kg)}")
 
 
 def subgroups(tg, rank, world, device, gen):
@@ -322,6 +332,8 @@ def served_by_tdist(tg, rank, world, device, gen):
     stats = torch_tdist.stats(tg)
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
                "broadcast"):
+        if GPU_SIZE_LIMITS[op] == 0:  # NCCL serves it on GPUs
+            continue
         global _checked
         _checked += 1
         if stats[op]["tdist"] == 0:

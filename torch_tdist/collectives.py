@@ -37,15 +37,19 @@ ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
-# NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL
-# (benchmarks/results/collectives_NVIDIA_H200-x4*.json; all_to_all_single at 64 KB: 33.7 us
-# against NCCL's 50.7 us in one run and 26.0 us in another, so only 8 KB stays). All-to-alls whose split sizes are
-# given (ranks may send different sizes, so no size test agrees across ranks) go to NCCL
-# too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's kernels at every size.
+# NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
+# Measured on a quiet host, where NCCL's small calls take 17-21 us back to back (on busier
+# hosts its host overhead, 35-47 us, made it look slower; benchmarks/results/
+# collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): all_reduce and
+# broadcast drop to 0.80x-0.90x at 1 MB, and all_to_all_single (132 programs, whatever the
+# size: the grid must not depend on counts that may differ across ranks) is 0.75x at 8 KB, so
+# it goes to NCCL. All-to-alls whose split sizes are given (ranks may send different sizes, so
+# no size test agrees across ranks) go to NCCL too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to
+# measure tdist's kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
-    "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
-    "broadcast": 1 << 20, "all_to_all_single": 16 << 10,
+    "reduce_scatter_tensor": None, "all_reduce": 512 << 10,
+    "broadcast": 512 << 10, "all_to_all_single": 0,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
 _BULK_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
