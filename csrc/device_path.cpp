@@ -28,21 +28,46 @@ using DriverLaunch = int (*)(
     void** params,
     void** extra);
 
-DriverLaunch driverLaunch() {
-  static DriverLaunch fn = []() -> DriverLaunch {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (lib == nullptr) {
-      lib = dlopen("libcuda.so.1", RTLD_NOW);
-    }
-    TORCH_CHECK(lib != nullptr, "tdist: cannot open libcuda.so.1: ", dlerror());
-    void* sym = dlsym(lib, "cuLaunchKernel");
-    TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no cuLaunchKernel");
-    return reinterpret_cast<DriverLaunch>(sym);
+void* driverSymbol(const char* name) {
+  static void* lib = []() {
+    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return handle != nullptr ? handle : dlopen("libcuda.so.1", RTLD_NOW);
   }();
+  TORCH_CHECK(lib != nullptr, "tdist: cannot open libcuda.so.1: ", dlerror());
+  void* sym = dlsym(lib, name);
+  TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no ", name);
+  return sym;
+}
+
+DriverLaunch driverLaunch() {
+  static auto fn = reinterpret_cast<DriverLaunch>(driverSymbol("cuLaunchKernel"));
   return fn;
 }
 
 } // namespace
+
+bool streamIsCapturing(const c10::Stream& stream) {
+  if (stream.device_type() != c10::DeviceType::CUDA) {
+    return false;
+  }
+  using IsCapturing = int (*)(void* stream, int* status);
+  static auto fn = reinterpret_cast<IsCapturing>(driverSymbol("cuStreamIsCapturing"));
+  int status = 0; // CU_STREAM_CAPTURE_STATUS_NONE
+  int rc = fn(stream.native_handle(), &status);
+  return rc != 0 || status != 0; // (an invalidated capture counts as one)
+}
+
+void relaxThreadCaptureMode() {
+  using ExchangeMode = int (*)(int* mode);
+  void* sym = nullptr;
+  try {
+    sym = driverSymbol("cuThreadExchangeStreamCaptureMode");
+  } catch (const c10::Error&) {
+    return; // no CUDA driver: nothing to capture
+  }
+  int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+  reinterpret_cast<ExchangeMode>(sym)(&mode);
+}
 
 std::unique_ptr<c10::Event> EventPool::take(c10::DeviceType type) {
   {

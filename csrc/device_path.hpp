@@ -64,6 +64,12 @@ class StreamScope {
 // A pool stream of the device for the group's work.
 c10::Stream newCommStream(const c10::Device& device);
 
+// Whether `stream` (a CUDA one) is capturing a CUDA graph.
+bool streamIsCapturing(const c10::Stream& stream);
+
+// Lets the calling thread query events while other threads capture graphs.
+void relaxThreadCaptureMode();
+
 // Identifies calls that one recorded launch serves.
 struct PlanKey {
   int op;

@@ -442,6 +442,7 @@ void TDistWork::startOnStream(
 
 void TDistWork::markDone() {
   if (scope_) {
+    captured_ = streamIsCapturing(scope_->stream());
     end_ = scope_->recordEnd();
   }
   scope_.reset();
@@ -453,6 +454,9 @@ void TDistWork::markDone() {
 
 bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!failure_.empty()) {
+    C10_THROW_ERROR(DistBackendError, failure_);
+  }
   if (end_) {
     if (blockHost_) {
       end_->synchronize();
@@ -473,6 +477,19 @@ bool TDistWork::isCompleted() {
 
 void TDistWork::synchronize() {
   wait();
+}
+
+bool TDistWork::finishedOnDevice() const {
+  return !end_ || end_->query();
+}
+
+void TDistWork::fail(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  failure_ = reason;
+}
+
+bool TDistWork::watchable() const {
+  return end_ != nullptr && !captured_;
 }
 
 std::vector<at::Tensor> TDistWork::result() {
@@ -933,6 +950,14 @@ WorkPtr ProcessGroupTDist::finishWork(
   count(op, Route::Tdist, n);
   work->setSequenceNumber(++seq_);
   work->markDone();
+  if (work->watchable()) {
+    std::call_once(watchdogStarted_, [this] {
+      watchdog_ = std::make_unique<Watchdog>(
+          [this](const std::string& reason) { abortWith(reason); });
+    });
+    watchdog_->watch(work, timeout_, prefix(op) + "(rank " + std::to_string(rank_) + " of " +
+                         std::to_string(size_) + ") ");
+  }
   return work;
 }
 

@@ -25,6 +25,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "device_path.hpp"
+#include "watchdog.hpp"
 
 namespace tdist {
 
@@ -80,6 +81,13 @@ class TDistWork : public c10d::Work {
   bool isCompleted() override;
   void synchronize() override;
 
+  // For the watchdog: whether the call's GPU work is done (no lock: end_ is
+  // fixed once markDone() returned), and failing it (wait() then raises).
+  bool finishedOnDevice() const;
+  void fail(const std::string& reason);
+  // Whether the call went onto a GPU stream outside a CUDA graph capture.
+  bool watchable() const;
+
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
@@ -96,6 +104,8 @@ class TDistWork : public c10d::Work {
   std::shared_ptr<EventPool> events_;
   std::unique_ptr<c10::Event> end_;
   bool blockHost_ = false;
+  bool captured_ = false;
+  std::string failure_; // set by the watchdog
   std::mutex mutex_;
 };
 
@@ -357,6 +367,9 @@ class ProcessGroupTDist : public c10d::Backend {
   std::string abortReason_; // set once, before aborted_
   mutable std::mutex abortMutex_;
   void checkNotAborted(Op op) const;
+  // last: destroyed (its thread stopped) before what its handler touches
+  std::once_flag watchdogStarted_;
+  std::unique_ptr<Watchdog> watchdog_;
 };
 
 } // namespace tdist

@@ -1,8 +1,9 @@
 """GPU checks against NCCL (tests/gpu_checks.py), one process per GPU: the cuda transport on 2
 GPUs (float32 and bfloat16) and on 4 (every dtype); the nvshmem transport on 2 (torch's NVSHMEM
 symmetric memory started first) and on 4 (tdist first), with the NVSHMEM calls, the
-hierarchical all-gather and the MoE example; and the bad-input matrix on CUDA tensors
-(tests/gpu_bad_input.py, 2 GPUs).
+hierarchical all-gather and the MoE example; the bad-input matrix on CUDA tensors
+(tests/gpu_bad_input.py, 2 GPUs); and a rank killed in the middle of collectives
+(tests/gpu_dead_peer.py).
 
 Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them:
 ``bash benchmarks/device_run.sh test``.
@@ -11,6 +12,7 @@ Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -54,3 +56,29 @@ def test_gpu_bad_input():
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "tests.gpu_bad_input"], cwd=root, env=env, timeout=300)
     assert proc.returncode == 0, "GPU bad-input checks failed; their output is above"
+
+
+@pytest.mark.timeout(300)
+def test_gpu_dead_peer():
+    """A rank SIGKILLed among 4 (2 if fewer GPUs): the survivors' all_gather, reduce_scatter,
+    all_reduce and all_to_all raise within the timeout + 10 s, and their processes exit
+    (tests/gpu_dead_peer.py)."""
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": "cuda", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29500 + os.getpid() % 1000), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_dead_peer"], cwd=root,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    start = time.monotonic()
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, 240 - (time.monotonic() - start))))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("a surviving rank did not exit (a kernel kept spinning?)")
+    assert codes[-1] == -9, f"the last rank was to kill itself: {codes}"
+    assert codes[:-1] == [0] * (world - 1), f"survivors' exit codes {codes[:-1]}; their output is above"

@@ -290,7 +290,8 @@ class SymmetricHeap:
     ``bases``: int64 tensor on the heap's device, peer heap base addresses as mapped here.
     ``ctx``: the context tensor every tdist kernel takes first (layout in
     ``torch_tdist.language``). ``abort_address``: the host address of the group's abort word
-    (0: none); waits on the CPU give up once it is set (on GPUs not yet: ctx holds 0 there).
+    (0: none), on a page of its own; waits give up once it is set. GPU kernels read it through
+    the page mapped for the device (``cudaHostRegister``).
     """
 
     def __init__(self, store, rank: int, world_size: int, nbytes: int,
@@ -319,7 +320,16 @@ class SymmetricHeap:
         ctx[language.CTX_WORLD.value] = world_size
         ctx[language.CTX_TIMEOUT_MS.value] = int(timeout.total_seconds() * 1000)
         self.abort_address = abort_address if self.device.type == "cpu" else 0
-        ctx[language.CTX_ABORT.value] = self.abort_address
+        self._mapped_abort_page = None
+        if abort_address and self.device.type == "cuda":
+            cudart = _cudart(self.device)
+            page = abort_address - abort_address % mmap.PAGESIZE
+            _check(cudart.cudaHostRegister(page, mmap.PAGESIZE, cudart.cudaHostRegisterMapped), "cudaHostRegister")
+            self._mapped_abort_page = page
+            device_page = _check(cudart.cudaHostGetDevicePointer(page, 0), "cudaHostGetDevicePointer")
+            ctx[language.CTX_ABORT.value] = int(device_page) + abort_address - page
+        else:
+            ctx[language.CTX_ABORT.value] = self.abort_address
         self.ctx = torch.tensor(ctx, dtype=torch.int64, device=self.device)
         self.bases = self.ctx[language.CTX_BASES.value:]
         self._top = language.HEAP_ALIGN  # the first bytes hold the segment's job token
@@ -400,6 +410,9 @@ class SymmetricHeap:
         for seg in self._segments:
             seg.close()
         self._segments = []
+        if self._mapped_abort_page is not None:
+            _cudart(self.device).cudaHostUnregister(self._mapped_abort_page)
+            self._mapped_abort_page = None
 
 
 _LIVE_HEAPS: "weakref.WeakSet[SymmetricHeap]" = weakref.WeakSet()

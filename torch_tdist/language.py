@@ -28,7 +28,8 @@ HEAP_ALIGN = 256  # bytes; every heap base is a multiple of it (symm_at relies o
 CTX_RANK = tl.constexpr(0)
 CTX_WORLD = tl.constexpr(1)
 CTX_TIMEOUT_MS = tl.constexpr(2)
-CTX_ABORT = tl.constexpr(3)  # address of the group's abort word, 0 for none (watched on the CPU so far)
+CTX_ABORT = tl.constexpr(3)  # address of the group's abort word as kernels see it, 0 for none
+ABORT_POLLS = tl.constexpr(1024)  # GPU waits read the abort word (host memory, over PCIe) once per this many polls
 CTX_BASES = tl.constexpr(8)
 
 
@@ -226,13 +227,21 @@ else:
 
     @jit
     def wait(ctx, sig, value):
-        """Acquire: spin until the local int64 slot ``sig`` holds ``value`` or more.
+        """Acquire: spin until the local int64 slot ``sig`` holds ``value`` or more, or the
+        group's abort word is set (then the program goes on with whatever it reads; the host
+        raises for the group).
 
         Signals carry epochs that only grow, so ``>=`` never misses a signal that came early.
         """
+        abort = tl.load(ctx + CTX_ABORT)
         seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-        while seen < value:
+        polls = 0
+        gave_up = abort < 0  # (False: an address)
+        while (seen < value) & (not gave_up):
             seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            polls += 1
+            if (polls % ABORT_POLLS == 0) & (abort != 0):
+                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
         tl.debug_barrier()  # one thread acquired; the whole program reads after it
         return seen
 

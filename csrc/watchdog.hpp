@@ -1,0 +1,58 @@
+// A group's watchdog (NCCL's, in small): it watches the GPU works the group
+// issued, and when one has not finished within the group's timeout (a peer
+// died, or made another call, and a kernel waits for it), it calls the
+// group's overrun handler once (which sets the abort word: the kernels' waits
+// give up and later calls raise) and fails every watched work, so that their
+// wait() raises.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <list>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <c10/util/intrusive_ptr.h>
+
+namespace tdist {
+
+class TDistWork;
+
+class Watchdog {
+ public:
+  using OnOverrun = std::function<void(const std::string& reason)>;
+
+  explicit Watchdog(OnOverrun onOverrun);
+  ~Watchdog(); // stops the thread; nothing is aborted
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Watches `work` (issued on a GPU stream that is not capturing a graph)
+  // until it finishes; `what` opens the error if it overruns `timeout`.
+  void watch(
+      c10::intrusive_ptr<TDistWork> work,
+      std::chrono::milliseconds timeout,
+      std::string what);
+
+ private:
+  struct Watched {
+    c10::intrusive_ptr<TDistWork> work;
+    std::chrono::steady_clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+    std::string what;
+  };
+
+  void run();
+
+  OnOverrun onOverrun_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::list<Watched> watched_;
+  bool stop_ = false;
+  bool overran_ = false;
+  std::thread thread_; // last: starts after the members above exist
+};
+
+} // namespace tdist
