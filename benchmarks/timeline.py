@@ -13,10 +13,6 @@ import argparse
 import json
 import os
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: GPU timing loops, the slowest rank's figure, and the machine
-and versions every results file records."""
+and versions every results file records. Importing it sets the NVLink-multicast safety
+variables (``torch_tdist.launch.SAFE_ENV``) before any process group starts."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import torch_tdist
+from torch_tdist.launch import SAFE_ENV  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
 
 
 def start_job():

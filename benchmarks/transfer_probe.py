@@ -97,7 +97,6 @@ def main():
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-        del handle, buf, bufs
     if rank == 0:
         timing.write_result(args.out, "transfer_probe", world, f"median of 5 loops of {args.iters} calls", rows)
     dist.destroy_process_group()

@@ -608,6 +608,15 @@ class Executor:
         self.fused_calls[op] += 1
         return [(row0, min(per_round, rows - row0)) for row0 in range(0, rows, per_round)]
 
+    def _pipelined_rounds(self, op: str, a: torch.Tensor, rows: int, row_len: int, chunks: int,
+                          pulled: bool = False):
+        """``_overlap_rounds`` of a pipelined op, each with its elements per chunk: the round's
+        rows in ``chunks`` pieces (at most KMAX)."""
+        rounds = self._overlap_rounds(op, a, rows, row_len, pulled)
+        if rounds is None:
+            return None
+        return [(row0, n, max(-(-n // chunks), -(-n // KMAX)) * row_len) for row0, n in rounds]
+
     def all_gather_matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                           a_out: torch.Tensor, tiles: dict = GEMM_CONFIGS[0]) -> bool:
         """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``), the matmul taking
@@ -666,11 +675,10 @@ class Executor:
         stream as they land (``BulkPath.all_gather_pulled``); this rank's own first."""
         op = "all_gather_matmul"
         m, k = a.shape
-        rounds = self._overlap_rounds(op, a, m, k, pulled=True)
+        rounds = self._pipelined_rounds(op, a, m, k, chunks, pulled=True)
         if rounds is None:
             return False
-        for row0, rows in rounds:
-            rows_per_chunk = max(-(-rows // chunks), -(-rows // KMAX))
+        for row0, rows, chunk in rounds:
 
             def consume(rank, start, piece):
                 r0, count = rank * m + row0 + start // k, piece.numel() // k
@@ -680,7 +688,7 @@ class Executor:
             # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
             gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
             self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pulled(
-                op_, word, flat, gathered, rows_per_chunk * k, consume), out, a_round)
+                op_, word, flat, gathered, chunk, consume), out, a_round)
         return True
 
     def matmul_reduce_scatter_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -692,18 +700,17 @@ class Executor:
         H200s: benchmarks/results/overlap_NVIDIA_H200-x4-rs-remote-write.json)."""
         op = "matmul_reduce_scatter"
         m, n = out.shape
-        rounds = self._overlap_rounds(op, a, m, n)
+        rounds = self._pipelined_rounds(op, a, m, n, chunks)
         if rounds is None:
             return False
-        for row0, rows in rounds:
-            rows_per_chunk = max(-(-rows // chunks), -(-rows // KMAX))
+        for row0, rows, chunk in rounds:
 
             def produce(rank, start, dst):
                 r0, count = rank * m + row0 + start // n, dst.numel() // n
                 torch.mm(a[r0:r0 + count], b, out=dst.view(count, n))
 
             self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
-                op_, word, flat, rows_per_chunk * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
+                op_, word, flat, chunk, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
         return True
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):
