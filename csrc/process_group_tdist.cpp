@@ -1,6 +1,10 @@
 #include "process_group_tdist.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <set>
+#include <thread>
+#include <tuple>
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -453,7 +457,8 @@ void TDistWork::markDone() {
 }
 
 bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
+  failed_.wait(lock, [this] { return !failing_; });
   if (!failure_.empty()) {
     C10_THROW_ERROR(DistBackendError, failure_);
   }
@@ -483,9 +488,18 @@ bool TDistWork::finishedOnDevice() const {
   return !end_ || end_->query();
 }
 
-void TDistWork::fail(const std::string& reason) {
+void TDistWork::failing() {
   std::lock_guard<std::mutex> lock(mutex_);
-  failure_ = reason;
+  failing_ = true;
+}
+
+void TDistWork::fail(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failure_ = reason;
+    failing_ = false;
+  }
+  failed_.notify_all();
 }
 
 bool TDistWork::watchable() const {
@@ -593,6 +607,11 @@ ProcessGroupTDist::ProcessGroupTDist(
     ownAbortWord_ = std::make_unique<int64_t>(0);
     abortWord_ = ownAbortWord_.get();
   }
+  if (py::hasattr(ex, "abort_page_layout")) {
+    auto [regions, maxRegions, stuck, records] =
+        ex.attr("abort_page_layout").cast<std::tuple<int, int, int, int>>();
+    abortPage_ = {regions, maxRegions, stuck, records};
+  }
   init();
 }
 
@@ -625,6 +644,62 @@ void ProcessGroupTDist::abortWith(const std::string& reason) {
   }
   // kernels and host-side waits poll this word
   __atomic_store_n(abortWord_, int64_t{1}, __ATOMIC_RELEASE);
+}
+
+void ProcessGroupTDist::setGroupUid(const std::string& name) {
+  c10d::Backend::setGroupUid(name);
+  py::gil_scoped_acquire gil;
+  executor_.get().attr("group_name") = name;
+}
+
+std::string ProcessGroupTDist::abortOverrun(const std::string& head) {
+  abortWith(head);
+  std::vector<int> late = latePeers();
+  std::string reason = head;
+  if (late.empty()) {
+    reason += ": a peer died or made another call; the group was aborted";
+  } else {
+    reason += ": rank(s) " + c10::Join(", ", late) +
+        " did not arrive (died, or made another call); the group was aborted";
+  }
+  std::lock_guard<std::mutex> lock(abortMutex_);
+  abortReason_ = reason;
+  return reason;
+}
+
+std::vector<int> ProcessGroupTDist::latePeers() const {
+  if (abortPage_.records == 0) {
+    return {};
+  }
+  // Waits read the abort word every ABORT_POLLS polls, so a stuck program
+  // records within microseconds; a moment more lets the others record.
+  const int64_t* page = abortWord_;
+  std::set<int64_t> slots;
+  for (int step = 0, seenAt = -1; step < 100 && (seenAt < 0 || step <= seenAt + 1); ++step) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (int i = 0; i < abortPage_.records; ++i) {
+      int64_t slot = __atomic_load_n(page + abortPage_.stuck + i, __ATOMIC_ACQUIRE);
+      if (slot != 0) {
+        slots.insert(slot);
+        seenAt = seenAt < 0 ? step : seenAt;
+      }
+    }
+  }
+  std::set<int> late; // the owners of the slots waited on
+  for (int64_t slot : slots) {
+    for (int r = 0; r < abortPage_.maxRegions; ++r) {
+      const int64_t* region = page + abortPage_.regions + 3 * r;
+      int64_t first = region[0], stride = region[1], peers = region[2];
+      if (first == 0) {
+        break;
+      }
+      if (slot >= first && (slot - first) % 8 == 0 && (slot - first) / 8 < stride * peers) {
+        late.insert(static_cast<int>((slot - first) / 8 / stride));
+        break;
+      }
+    }
+  }
+  return {late.begin(), late.end()};
 }
 
 void ProcessGroupTDist::checkNotAborted(Op op) const {
@@ -953,10 +1028,13 @@ WorkPtr ProcessGroupTDist::finishWork(
   if (work->watchable()) {
     std::call_once(watchdogStarted_, [this] {
       watchdog_ = std::make_unique<Watchdog>(
-          [this](const std::string& reason) { abortWith(reason); });
+          [this](const std::string& head) { return abortOverrun(head); });
     });
-    watchdog_->watch(work, timeout_, prefix(op) + "(rank " + std::to_string(rank_) + " of " +
-                         std::to_string(size_) + ") ");
+    watchdog_->watch(
+        work,
+        timeout_,
+        c10::str(
+            prefix(op), "(rank ", rank_, " of ", size_, ", group '", getGroupUid(), "') "));
   }
   return work;
 }

@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -84,6 +85,9 @@ class TDistWork : public c10d::Work {
   // For the watchdog: whether the call's GPU work is done (no lock: end_ is
   // fixed once markDone() returned), and failing it (wait() then raises).
   bool finishedOnDevice() const;
+  // failing(): a failure is coming (the watchdog is about to abort the group,
+  // which lets the device finish the work); wait() holds until fail(reason).
+  void failing();
   void fail(const std::string& reason);
   // Whether the call went onto a GPU stream outside a CUDA graph capture.
   bool watchable() const;
@@ -106,7 +110,9 @@ class TDistWork : public c10d::Work {
   bool blockHost_ = false;
   bool captured_ = false;
   std::string failure_; // set by the watchdog
+  bool failing_ = false;
   std::mutex mutex_;
+  std::condition_variable failed_;
 };
 
 // Owns one Python reference and drops it under the GIL; the backend can be
@@ -155,6 +161,8 @@ class ProcessGroupTDist : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setSequenceNumberForGroup() override {}
+  // Also tells the executor, whose errors name the group.
+  void setGroupUid(const std::string& name) override;
   uint64_t getSequenceNumberForGroup() override {
     return seq_.load();
   }
@@ -163,6 +171,9 @@ class ProcessGroupTDist : public c10d::Backend {
   void abort() override;
   // Sets the abort word (waits give up) and makes every later call raise.
   void abortWith(const std::string& reason);
+  // The watchdog's handler: aborts the group, names the peers that GPU waits
+  // giving up still lacked, and returns the whole reason (`head` first).
+  std::string abortOverrun(const std::string& head);
   uintptr_t abortWordAddress() const {
     return reinterpret_cast<uintptr_t>(abortWord_);
   }
@@ -363,8 +374,16 @@ class ProcessGroupTDist : public c10d::Backend {
   std::atomic<bool> shutDown_{false};
   int64_t* abortWord_ = nullptr; // the executor's (alive while executor_ is) or ownAbortWord_
   std::unique_ptr<int64_t> ownAbortWord_;
+  // Where in the abort word's page (in words) the executor lists its signal
+  // regions and GPU waits stuck at the abort leave the slots they waited on
+  // (language.PAGE_REGIONS); no records when the executor has no such page.
+  struct AbortPage {
+    int regions = 0, maxRegions = 0, stuck = 0, records = 0;
+  } abortPage_;
+  // The peers whose slots GPU waits stuck at the abort waited on.
+  std::vector<int> latePeers() const;
   std::atomic<bool> aborted_{false};
-  std::string abortReason_; // set once, before aborted_
+  std::string abortReason_; // set before aborted_ (the watchdog adds to it)
   mutable std::mutex abortMutex_;
   void checkNotAborted(Op op) const;
   // last: destroyed (its thread stopped) before what its handler touches

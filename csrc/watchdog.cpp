@@ -57,7 +57,7 @@ void Watchdog::run() {
             it->what,
             "did not finish within the group's timeout (",
             it->timeout.count() / 1000.0,
-            " s): a peer died or made another call; the group was aborted");
+            " s)");
         break;
       } else {
         ++it;
@@ -69,11 +69,16 @@ void Watchdog::run() {
     overran_ = true;
     std::vector<c10::intrusive_ptr<TDistWork>> failed;
     for (auto& w : watched_) {
-      failed.push_back(std::move(w.work));
+      if (!w.work->finishedOnDevice()) { // (those that did finish succeeded)
+        failed.push_back(std::move(w.work));
+      }
     }
     watched_.clear();
     lock.unlock();
-    onOverrun_(reason);
+    for (auto& work : failed) {
+      work->failing(); // before the abort lets the device finish them
+    }
+    reason = onOverrun_(reason);
     for (auto& work : failed) {
       work->fail(reason);
     }

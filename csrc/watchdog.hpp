@@ -2,8 +2,8 @@
 // issued, and when one has not finished within the group's timeout (a peer
 // died, or made another call, and a kernel waits for it), it calls the
 // group's overrun handler once (which sets the abort word: the kernels' waits
-// give up and later calls raise) and fails every watched work, so that their
-// wait() raises.
+// give up and later calls raise; it returns the whole error) and fails every
+// watched work with that error, so that their wait() raises.
 #pragma once
 
 #include <chrono>
@@ -22,7 +22,9 @@ class TDistWork;
 
 class Watchdog {
  public:
-  using OnOverrun = std::function<void(const std::string& reason)>;
+  // Gets "<what>did not finish within the group's timeout (N s)", returns
+  // the error to fail the works with.
+  using OnOverrun = std::function<std::string(const std::string& head)>;
 
   explicit Watchdog(OnOverrun onOverrun);
   ~Watchdog(); // stops the thread; nothing is aborted

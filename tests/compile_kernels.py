@@ -90,6 +90,11 @@ def specialisations():
             "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr",
             "BK": "constexpr", "IEEE": "constexpr", "UPCAST": "constexpr"}, {
                 "ME": 2, "WORLD": 4, "KMAX": 64, **tiles, "IEEE": dt == "fp32", "UPCAST": False}, options
+    for world, me in ((2, 1), (4, 2)):
+        for value in ("i64", "constexpr"):  # a signature; 1 (Triton makes an int of 1 a constant)
+            yield bulk.wait_peers_kernel, {"ctx": "*i64", "flags": "*i64", "stride": "i64", "value": value,
+                                           "ME": "constexpr", "WORLD": "constexpr"}, {
+                                               "ME": me, "WORLD": world, **({"value": 1} if value == "constexpr" else {})}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     for world in (2, 4):
@@ -132,6 +137,7 @@ def _every_primitive(ctx, buf, sig, n, epoch, BLOCK: tl.constexpr):
     tdl.notify_add(ctx, sig + 4, peer, 1)
     tdl.notify(ctx, sig, peer, epoch)
     token = tdl.wait(ctx, sig, epoch)
+    tdl.wait_equal(ctx, sig + 5, epoch)
     ptr = tdl.consume_token(buf, token)
     tdl.putmem_block(ctx, ptr + 3 * BLOCK, ptr, n, peer, BLOCK)
     tdl.getmem_block(ctx, ptr + 4 * BLOCK, ptr, n, peer, BLOCK)

@@ -1,10 +1,10 @@
 """A rank killed (SIGKILL) in the middle of collectives on CUDA tensors: every survivor raises
 within the group's timeout + 10 s, no kernel keeps spinning, and its process exits.
 
-The last rank takes part in one call of every op (on one tdist group per op), then kills itself.
-The others then call each op once more: the call's kernel waits for the dead rank, the group's
-watchdog aborts the group at its timeout, the kernel gives up, and ``work.wait()`` and any later
-call raise. Started by tests/test_gpu.py as plain processes (torchrun would stop the survivors
+The last rank takes part in one call of every case (on one tdist group per case), then kills
+itself. The others then make each call once more: the call's kernel waits for the dead rank, the
+group's watchdog aborts the group at its timeout, the kernel gives up (naming the rank it still
+lacked), and ``work.wait()`` and any later call raise, naming the dead rank. Started by tests/test_gpu.py as plain processes (torchrun would stop the survivors
 as soon as one rank dies); prints one line per op and exits 0 when every check held.
 
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python -m tests.gpu_dead_peer
@@ -26,19 +26,39 @@ import torch.distributed as dist  # noqa: E402
 import torch_tdist  # noqa: E402,F401
 
 TIMEOUT_S = 10
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# name: (op, elements per rank, TDIST_ALGORITHM for its group). The small ones run the one-shot
+# kernels; 64 MB of all_gather the bulk path's pulls, whose barriers wait in a kernel; "bulk"
+# forces the bulk path's pushes.
+CASES = {
+    "all_gather": ("all_gather", 4096, "auto"),
+    "reduce_scatter": ("reduce_scatter", 4096, "auto"),
+    "all_reduce": ("all_reduce", 4096, "auto"),
+    "all_to_all": ("all_to_all", 4096, "auto"),
+    "all_gather 64 MB": ("all_gather", 16 << 20, "auto"),
+    "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, "bulk"),
+    "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, "bulk"),
+}
 
 
-def _call(op, group, world, device):
-    x = torch.randn(4096 * world, device=device)
+def _call(case, group, world, device):
+    op, n, _ = CASES[case]
     if op == "all_gather":
-        return dist.all_gather_into_tensor(torch.empty(world * x.numel(), device=device), x, group=group,
-                                           async_op=True)
+        x = torch.randn(n, device=device)
+        return dist.all_gather_into_tensor(torch.empty(world * n, device=device), x, group=group, async_op=True)
+    x = torch.randn(n * world, device=device)
     if op == "reduce_scatter":
-        return dist.reduce_scatter_tensor(torch.empty(4096, device=device), x, group=group, async_op=True)
+        return dist.reduce_scatter_tensor(torch.empty(n, device=device), x, group=group, async_op=True)
     if op == "all_reduce":
         return dist.all_reduce(x, group=group, async_op=True)
     return dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)
+
+
+def _group(algorithm):
+    os.environ["TDIST_ALGORITHM"] = algorithm  # (read once, by the group's executor)
+    try:
+        return dist.new_group(backend="tdist", timeout=timedelta(seconds=TIMEOUT_S))
+    finally:
+        del os.environ["TDIST_ALGORITHM"]
 
 
 def main():
@@ -46,35 +66,37 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    groups = {op: dist.new_group(backend="tdist", timeout=timedelta(seconds=TIMEOUT_S)) for op in OPS}
-    for op in OPS:  # heaps made, kernels compiled, while every rank is alive
-        _call(op, groups[op], world, device).wait()
+    groups = {case: _group(algorithm) for case, (_, _, algorithm) in CASES.items()}
+    for case in CASES:  # heaps made, kernels compiled, while every rank is alive
+        _call(case, groups[case], world, device).wait()
     torch.cuda.synchronize()
     dist.barrier()
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1)
     failures = []
-    for op in OPS:
+    dead = f"rank(s) {world - 1} did not arrive"
+    for case, (op, _, _) in CASES.items():
         start = time.monotonic()
-        work = _call(op, groups[op], world, device)
+        work = _call(case, groups[case], world, device)
         torch.cuda.synchronize()  # returns once the watchdog aborted the group and the kernel gave up
         try:
             work.wait()
-            failures.append(f"{op}: work.wait() did not raise")
+            failures.append(f"{case}: work.wait() did not raise")
             continue
         except Exception as err:
             message = str(err).splitlines()[0]
         elapsed = time.monotonic() - start
         try:
-            _call(op, groups[op], world, device)
-            failures.append(f"{op}: the aborted group took another call")
+            _call(case, groups[case], world, device)
+            failures.append(f"{case}: the aborted group took another call")
         except Exception as err:
-            if "aborted" not in str(err):
-                failures.append(f"{op}: a later call raised something else: {err}")
-        if elapsed > TIMEOUT_S + 10 or op not in message or "timeout" not in message:
-            failures.append(f"{op}: raised after {elapsed:.1f} s: {message}")
-        print(f"rank {rank}: {op} raised after {elapsed:.1f} s: {message}", flush=True)
+            if "aborted" not in str(err) or dead not in str(err):
+                failures.append(f"{case}: a later call raised something else: {err}")
+        if (elapsed > TIMEOUT_S + 10 or op not in message or "timeout" not in message or dead not in message
+                or f"group '{groups[case].group_name}'" not in message):
+            failures.append(f"{case}: raised after {elapsed:.1f} s: {message}")
+        print(f"rank {rank}: {case} raised after {elapsed:.1f} s: {message}", flush=True)
     print(f"rank {rank}: {'FAILED: ' + '; '.join(failures) if failures else 'every survivor check held'}",
           flush=True)
     sys.stdout.flush()

@@ -21,8 +21,10 @@ def _ring_exchange(ctx, mine, inbox, pulled, slots, olds, sig, n, epoch, BLOCK: 
     tl.store(olds, tdl.atomic_cas(ctx, slots + 1, 0, me + 7, right))  # right's slots[1]: 0 -> me + 7
     tl.store(olds + 1, tdl.atomic_xchg(ctx, slots + 2, me + 3, right))  # right's slots[2] = me + 3
     tdl.notify_add(ctx, slots + 3, right, 5)                       # right's slots[3] += 5
+    tdl.notify(ctx, sig + 1, right, me + 11)                       # right's sig[1] = me + 11
     tdl.notify(ctx, sig, right, epoch)
     token = tdl.wait(ctx, sig, epoch)                              # left's puts have landed
+    tdl.wait_equal(ctx, sig + 1, left + 11)                        # exactly left's value
     src = tdl.consume_token(mine, token)
     tdl.getmem_block(ctx, pulled, src, n, left, BLOCK)             # left's mine -> pulled
     offs = tl.arange(0, BLOCK)
@@ -36,12 +38,13 @@ def every_primitive(rank, ws, seed):
     n = 300
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(seed + r)) for r in range(ws)]
     mine, inbox, pulled = heap.empty(n, torch.float32), heap.empty(n, torch.float32), heap.empty(2 * n, torch.float32)
-    slots, sig = heap.empty(4, torch.int64), heap.empty(1, torch.int64)
+    slots, sig = heap.empty(4, torch.int64), heap.empty(2, torch.int64)
     olds = torch.full((2,), -1, dtype=torch.int64)
     mine.copy_(xs[rank])
     inbox.fill_(float("nan"))
     pulled.fill_(float("nan"))
     slots.zero_()
+    sig.zero_()
     dist.barrier()  # every rank's buffers are filled before any peer touches them
     _ring_exchange[(1,)](heap.ctx, mine, inbox, pulled, slots, olds, sig, n, 1, BLOCK=512)
     dist.barrier()  # every rank's atomics on my slots are done
@@ -51,4 +54,4 @@ def every_primitive(rank, ws, seed):
     assert torch.equal(pulled[n:], xs[left]), "load/store with a peer did not move the data"
     assert slots.tolist() == [left + 1, left + 7, left + 3, 5], f"atomics on this rank's slots: {slots.tolist()}"
     assert olds.tolist() == [0, 0], f"atomic_cas/atomic_xchg returned {olds.tolist()}, expected the old zeros"
-    assert int(sig[0]) == 1, "notify did not set the signal"
+    assert sig.tolist() == [1, left + 11], f"notify did not set the signals: {sig.tolist()}"

@@ -83,6 +83,7 @@ def test_survivors_raise_when_a_peer_is_killed(op):
     for rank, (first, second) in reports.items():
         assert first[0] == "raised", f"rank {rank}: {op} returned although a peer was dead"
         assert "tdist" in first[2] and op in first[2], f"rank {rank}: {first}"
+        assert "group '" in first[2] and "group '?'" not in first[2], f"rank {rank}: the group not named: {first}"
         assert f"rank(s) {world - 1} did not arrive" in first[2], f"rank {rank}: the dead rank not named: {first}"
         assert first[3] <= TIMEOUT_S + SLACK_S, f"rank {rank}: raised after {first[3]:.1f} s"
         assert second[0] == "raised" and "stopped" in second[2], f"rank {rank}: next call {second}"

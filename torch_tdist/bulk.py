@@ -27,9 +27,12 @@ replay. The area is not the one-shot mailboxes: a one-shot call right after a bu
 write where a slower peer still reads.
 """
 
+import ctypes
+
 import torch
 
 from . import language
+from .language import poll_until
 from .stream_ops import Streams
 from .triton_kernels import bulk
 
@@ -86,7 +89,7 @@ class BulkPath:
         # this rank's programs touch them, so they live outside the heap; zero between calls
         self._counters = torch.zeros(world * KMAX, dtype=torch.int64, device=heap.device)
         self._data = {}
-        self._streams = Streams(heap.device, heap.abort_address)
+        self._streams = Streams(heap.device)
         self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
         # beside a compute-bound receiving kernel (a GEMM, which wants every SM): the copy
@@ -120,9 +123,7 @@ class BulkPath:
         streams.begin(sides)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self.rank), signature)
-        for p in self._peers():
-            streams.wait_equal(0, self._flag_address(self.rank, p), signature, self.heap.timeout_s,
-                               f"{op}: rank {p} to start the same call")
+        self._wait_for_peers(op, 0, 1, signature, "to start the same call")
         streams.zero(0, self._flags[:self.world])
         streams.fork(sides)
 
@@ -154,8 +155,29 @@ class BulkPath:
             return KERNEL_PROGRAMS, (fallback, 0, 0, 0), 0
         return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
 
+    def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str):
+        """Hold the caller's stream until every peer ``p``'s flag ``first + p * stride`` (in this
+        rank's heap) is ``value``. GPUs: a one-program kernel, which gives up once the group is
+        aborted (the watchdog raises). CPU: this thread polls, gives up after the group's timeout,
+        and raises a ValueError at once if a peer wrote another value (it made a different call:
+        another collective, dtype or element count)."""
+        if self.device.type == "cuda":
+            self._launch(op, bulk.wait_peers_kernel, (1,), self.heap.ctx, self._flags[first:], stride, value,
+                         ME=self.rank, WORLD=self.world)
+            return
+        for p in self._peers():
+            slot = ctypes.c_int64.from_address(self._flag_address(self.rank, first + p * stride))
+            wanted = f"{op}: rank {p} {what}"
+            seen = poll_until(lambda: slot.value, lambda v: v != 0, self.heap.timeout_s, wanted,
+                              self.heap.abort_address)
+            if seen != value:
+                raise ValueError(f"tdist: waited for {wanted}, but it made a different call (another "
+                                 f"collective, dtype or element count; signature {seen:#x}, "
+                                 f"this rank's {value:#x})")
+
     def signal_regions(self):
-        """(first slot's address, slots per peer, peers) of the ready flags the kernels wait on."""
+        """(first slot's address, slots per peer, peers) of the flags the bulk path waits on."""
+        yield self._flag_address(self.rank, 0), 1, self.world
         for flag_set in (0, 1):
             yield self._flag_address(self.rank, self._ready_index(flag_set, 0, 0)), KMAX, self.world
 
@@ -321,9 +343,7 @@ class BulkPath:
         streams.join(pulls)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
-        for p in self._peers():
-            streams.wait_equal(0, self._flag_address(me, self._ready_index(1, p, 0)), 1, self.heap.timeout_s,
-                               f"{op}: rank {p} to finish pulling")
+        self._wait_for_peers(op, self._ready_index(1, 0, 0), KMAX, 1, "to finish pulling")
         self._done_with(1)
         self.in_flight = False
 

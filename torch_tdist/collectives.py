@@ -140,6 +140,7 @@ class Executor:
         self.served_devices = ["cpu"] if language.INTERPRET else ["cuda"] if gpu_kernels else []
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self.group_name = "?"  # set by the C++ backend once torch names the group
         self._heap = None
         self._views = {}
         self._tables = {}
@@ -149,6 +150,10 @@ class Executor:
         self._abort_page = mmap.mmap(-1, mmap.PAGESIZE)
         self._abort_word = ctypes.c_int64.from_buffer(self._abort_page)
         self.abort_word_address = ctypes.addressof(self._abort_word)
+        # the rest of the page (language.PAGE_REGIONS), for the C++ watchdog: (word of the first
+        # region, regions, word of the first stuck record, records)
+        self.abort_page_layout = (language.PAGE_REGIONS.value, language.MAX_REGIONS.value,
+                                  language.PAGE_STUCK.value, language.STUCK_RECORDS.value)
         self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
@@ -202,6 +207,7 @@ class Executor:
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self._heap = heap
+        self._publish_signal_regions()
 
     def _default_device(self) -> torch.device:
         if self._heap is not None:
@@ -370,7 +376,8 @@ class Executor:
             self._stopped = f"{op} was aborted" if aborted else f"{op} timed out waiting for a peer"
             missing = self._missing_peers(cause)
             arrived = f"rank(s) {', '.join(map(str, missing))} did not arrive; " if missing else ""
-            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}): {arrived}{cause}") from err
+            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}, group "
+                                f"'{self.group_name}'): {arrived}{cause}") from err
 
     def _signal_regions(self):
         """(first slot's address, slots per peer, peers) of every signal array the kernels wait
@@ -382,6 +389,15 @@ class Executor:
         yield signals + 8 * world, 1, world
         yield self._tree_signals.data_ptr(), 1, world
         yield from self._bulk.signal_regions()
+
+    def _publish_signal_regions(self):
+        """Writes ``_signal_regions`` into the abort word's page (language.PAGE_REGIONS)."""
+        words = [v for region in self._signal_regions() for v in region]
+        first, most = language.PAGE_REGIONS.value, language.MAX_REGIONS.value
+        if len(words) > 3 * most:
+            raise RuntimeError(f"tdist: {len(words) // 3} signal regions; the abort page holds {most}")
+        page = (ctypes.c_int64 * (first + 3 * most)).from_buffer(self._abort_page)
+        page[first:first + 3 * most] = words + [0] * (3 * most - len(words))
 
     def _missing_peers(self, timeout: language.PeerTimeoutError) -> list[int]:
         """The peers whose slot, in the signal array and position a timed-out wait watched, does

@@ -31,6 +31,15 @@ CTX_TIMEOUT_MS = tl.constexpr(2)
 CTX_ABORT = tl.constexpr(3)  # address of the group's abort word as kernels see it, 0 for none
 ABORT_POLLS = tl.constexpr(1024)  # GPU waits read the abort word (host memory, over PCIe) once per this many polls
 CTX_BASES = tl.constexpr(8)
+# The rest of the abort word's page (host memory; GPUs map it), in int64 words from the abort
+# word: the signal arrays the library's kernels wait on, MAX_REGIONS of (first slot's address,
+# slots per peer, peers), each peer's slots together, zeros after the last; then a word per
+# program (program % STUCK_RECORDS) where a GPU wait that was stuck when the group was aborted
+# leaves the address of the slot it waited on. The C++ watchdog names those slots' peers.
+PAGE_REGIONS = tl.constexpr(8)
+MAX_REGIONS = tl.constexpr(8)
+PAGE_STUCK = tl.constexpr(32)
+STUCK_RECORDS = tl.constexpr(64)
 
 
 def _decide_interpret() -> bool:
@@ -192,7 +201,12 @@ if INTERPRET:
         Under the interpreter the spin sleeps between polls (ranks share few cores) and gives
         up after the group's timeout.
         """
-        return _spin_to_epoch(sig, value, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
+        return _spin_to(sig, value, False, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
+
+    @jit
+    def wait_equal(ctx, sig, value):
+        """:func:`wait` for exactly ``value`` (a call's signature, not an epoch)."""
+        return _spin_to(sig, value, True, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
@@ -203,9 +217,10 @@ if INTERPRET:
             return int(value.handle.data.reshape(-1)[0])
         return operator.index(value)
 
-    def _spin_to_epoch(sig, value, timeout_ms, abort_address):
+    def _spin_to(sig, value, equal, timeout_ms, abort_address):
         wanted = host_int(value)
-        return spin_until(sig, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}",
+        satisfied = (lambda seen: seen == wanted) if equal else (lambda seen: seen >= wanted)
+        return spin_until(sig, satisfied, host_int(timeout_ms) / 1000.0, f"{'value' if equal else 'epoch'} {wanted}",
                           host_int(abort_address))
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
@@ -233,15 +248,34 @@ else:
 
         Signals carry epochs that only grow, so ``>=`` never misses a signal that came early.
         """
+        return _spin(ctx, sig, value, False)
+
+    @jit
+    def wait_equal(ctx, sig, value):
+        """:func:`wait` for exactly ``value`` (a call's signature, not an epoch)."""
+        return _spin(ctx, sig, value, True)
+
+    @jit
+    def _short_of(seen, value, EQUAL: tl.constexpr):
+        if EQUAL:
+            return seen != value
+        else:
+            return seen < value
+
+    @jit
+    def _spin(ctx, sig, value, EQUAL: tl.constexpr):
         abort = tl.load(ctx + CTX_ABORT)
         seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
         polls = 0
         gave_up = abort < 0  # (False: an address)
-        while (seen < value) & (not gave_up):
+        while _short_of(seen, value, EQUAL) & (not gave_up):
             seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
+        if gave_up & (polls > ABORT_POLLS):  # (it waited before the abort, not only after it)
+            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
+            tl.store(stuck.to(tl.pointer_type(tl.int64)), tl.cast(sig, tl.int64))
         tl.debug_barrier()  # one thread acquired; the whole program reads after it
         return seen
 

@@ -1,27 +1,25 @@
 """What the bulk path queues on streams without a kernel: an int64 written at a heap address (this
-rank's heap or a peer's) once the stream's earlier work is done, a hold on a stream until an
-int64 reaches a value, copies, and fork/join between streams.
+rank's heap or a peer's) once the stream's earlier work is done, copies, zeroing, and fork/join
+between streams.
 
 On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory barrier,
-``cuStreamWaitValue64``, ``cuMemcpyAsync``, events), a few microseconds of host time each, and
-CUDA graphs capture them. On the CPU the same interface works where the stream is the
-calling thread: stores, spins that give up after the group's timeout, and torch copies.
+``cuMemcpyAsync``, events), a few microseconds of host time each, and CUDA graphs capture them.
+On the CPU the same interface works where the stream is the calling thread: stores and torch
+copies. Waits are not here: a stream held by ``cuStreamWaitValue64`` could not give up when a
+peer dies, so the bulk path waits with a kernel (``BulkPath._wait_for_peers``).
 """
 
 import ctypes
 
 import torch
 
-from .language import poll_until
-
 
 class Streams:
     """One rank's streams for a bulk call: index 0 is the caller's current stream, the others
     side streams (created once, reused)."""
 
-    def __init__(self, device: torch.device, abort_address: int = 0):
+    def __init__(self, device: torch.device):
         self.device = device
-        self._abort_address = abort_address  # the group's abort word, watched by the CPU's waits
         self._side = []  # (torch stream, CUstream, CUevent)
         self._main_event = None
 
@@ -102,23 +100,6 @@ class Streams:
             return
         cu = _driver()
         _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
-
-    def wait_equal(self, stream: int, address: int, value: int, timeout_s: float, what: str):
-        """Hold ``stream`` until the int64 at ``address`` is ``value``. On the CPU another
-        nonzero value raises a ValueError (a peer made a different call); on GPUs the stream
-        waits on (GPU waits have no timeout yet)."""
-        if self.on_cpu:
-            slot = ctypes.c_int64.from_address(address)
-            seen = poll_until(lambda: slot.value, lambda v: v != 0, timeout_s, what, self._abort_address)
-            if seen != value:
-                raise ValueError(f"tdist: waited for {what}, but it made a different call (another "
-                                 f"collective, dtype or element count; signature {seen:#x}, "
-                                 f"this rank's {value:#x})")
-            return
-        cu = _driver()
-        _check(cu.cuStreamWaitValue64(self._handle(stream), address, value,
-                                      cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
-               "cuStreamWaitValue64")
 
 
 def _driver():

@@ -126,3 +126,11 @@ def reduce_chunks_kernel(ctx, own, slots, slot_stride, ready, dst, n, chunk, n_c
                 if OP == "avg":
                     acc = acc / WORLD
                 tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
+
+
+@tdl.jit
+def wait_peers_kernel(ctx, flags, stride, value, ME: tl.constexpr, WORLD: tl.constexpr):
+    """One program: holds its stream until every peer ``p``'s flag ``flags + p * stride`` is
+    ``value``, or the group is aborted (the bulk path's barriers on GPUs)."""
+    for i in tl.static_range(1, WORLD):
+        tdl.wait_equal(ctx, flags + ((ME + i) % WORLD) * stride, value)
