@@ -102,15 +102,21 @@ class Streams:
         _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
 
 
-def _driver():
-    from cuda.bindings import driver
+_DRIVER = None  # cuda.bindings.driver, imported on the first GPU call (host time: once, not per call)
 
-    return driver
+
+def _driver():
+    global _DRIVER
+    if _DRIVER is None:
+        from cuda.bindings import driver
+
+        _DRIVER = driver
+    return _DRIVER
 
 
 def _check(result, call: str):
-    cu = _driver()
+    _driver()
     err, *value = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"tdist: {call} failed: {cu.cuGetErrorString(err)[1]}")
+    if err != _DRIVER.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"tdist: {call} failed: {_driver().cuGetErrorString(err)[1]}")
     return value[0] if value else None
