@@ -652,7 +652,12 @@ void ProcessGroupTDist::setGroupUid(const std::string& name) {
   executor_.get().attr("group_name") = name;
 }
 
-std::string ProcessGroupTDist::abortOverrun(const std::string& head) {
+std::string ProcessGroupTDist::abortOverrun(
+    const char* op,
+    std::chrono::milliseconds timeout) {
+  std::string head = c10::str(
+      "tdist ", op, ": (rank ", rank_, " of ", size_, ", group '", getGroupUid(),
+      "') did not finish within the group's timeout (", timeout.count() / 1000.0, " s)");
   abortWith(head);
   std::vector<int> late = latePeers();
   std::string reason = head;
@@ -1028,13 +1033,11 @@ WorkPtr ProcessGroupTDist::finishWork(
   if (work->watchable()) {
     std::call_once(watchdogStarted_, [this] {
       watchdog_ = std::make_unique<Watchdog>(
-          [this](const std::string& head) { return abortOverrun(head); });
+          [this](const char* name, std::chrono::milliseconds timeout) {
+            return abortOverrun(name, timeout);
+          });
     });
-    watchdog_->watch(
-        work,
-        timeout_,
-        c10::str(
-            prefix(op), "(rank ", rank_, " of ", size_, ", group '", getGroupUid(), "') "));
+    watchdog_->watch(work, timeout_, opName(op));
   }
   return work;
 }

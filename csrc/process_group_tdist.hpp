@@ -171,9 +171,10 @@ class ProcessGroupTDist : public c10d::Backend {
   void abort() override;
   // Sets the abort word (waits give up) and makes every later call raise.
   void abortWith(const std::string& reason);
-  // The watchdog's handler: aborts the group, names the peers that GPU waits
-  // giving up still lacked, and returns the whole reason (`head` first).
-  std::string abortOverrun(const std::string& head);
+  // The watchdog's handler for a call of `op` that overran `timeout`: aborts
+  // the group, names the peers that GPU waits giving up still lacked, and
+  // returns the error.
+  std::string abortOverrun(const char* op, std::chrono::milliseconds timeout);
   uintptr_t abortWordAddress() const {
     return reinterpret_cast<uintptr_t>(abortWord_);
   }

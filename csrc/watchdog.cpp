@@ -2,8 +2,6 @@
 
 #include <vector>
 
-#include <c10/util/StringUtil.h>
-
 #include "device_path.hpp"
 #include "process_group_tdist.hpp"
 
@@ -28,7 +26,7 @@ Watchdog::~Watchdog() {
 void Watchdog::watch(
     c10::intrusive_ptr<TDistWork> work,
     std::chrono::milliseconds timeout,
-    std::string what) {
+    const char* op) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (overran_) {
     return;
@@ -37,7 +35,7 @@ void Watchdog::watch(
       {std::move(work),
        std::chrono::steady_clock::now() + timeout,
        timeout,
-       std::move(what)});
+       op});
 }
 
 void Watchdog::run() {
@@ -48,24 +46,22 @@ void Watchdog::run() {
   while (!stop_) {
     wake_.wait_for(lock, kPoll);
     auto now = std::chrono::steady_clock::now();
-    std::string reason;
+    const Watched* overrun = nullptr;
     for (auto it = watched_.begin(); it != watched_.end();) {
       if (it->work->finishedOnDevice()) {
         it = watched_.erase(it);
       } else if (now > it->deadline) {
-        reason = c10::str(
-            it->what,
-            "did not finish within the group's timeout (",
-            it->timeout.count() / 1000.0,
-            " s)");
+        overrun = &*it;
         break;
       } else {
         ++it;
       }
     }
-    if (reason.empty()) {
+    if (!overrun) {
       continue;
     }
+    const char* op = overrun->op;
+    auto timeout = overrun->timeout;
     overran_ = true;
     std::vector<c10::intrusive_ptr<TDistWork>> failed;
     for (auto& w : watched_) {
@@ -78,7 +74,7 @@ void Watchdog::run() {
     for (auto& work : failed) {
       work->failing(); // before the abort lets the device finish them
     }
-    reason = onOverrun_(reason);
+    std::string reason = onOverrun_(op, timeout);
     for (auto& work : failed) {
       work->fail(reason);
     }

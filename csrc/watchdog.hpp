@@ -22,9 +22,10 @@ class TDistWork;
 
 class Watchdog {
  public:
-  // Gets "<what>did not finish within the group's timeout (N s)", returns
+  // Gets the op of the work that overran (its name) and its timeout; returns
   // the error to fail the works with.
-  using OnOverrun = std::function<std::string(const std::string& head)>;
+  using OnOverrun =
+      std::function<std::string(const char* op, std::chrono::milliseconds timeout)>;
 
   explicit Watchdog(OnOverrun onOverrun);
   ~Watchdog(); // stops the thread; nothing is aborted
@@ -32,18 +33,18 @@ class Watchdog {
   Watchdog& operator=(const Watchdog&) = delete;
 
   // Watches `work` (issued on a GPU stream that is not capturing a graph)
-  // until it finishes; `what` opens the error if it overruns `timeout`.
+  // until it finishes. `op`: a name that lives as long as the program.
   void watch(
       c10::intrusive_ptr<TDistWork> work,
       std::chrono::milliseconds timeout,
-      std::string what);
+      const char* op);
 
  private:
   struct Watched {
     c10::intrusive_ptr<TDistWork> work;
     std::chrono::steady_clock::time_point deadline;
     std::chrono::milliseconds timeout;
-    std::string what;
+    const char* op;
   };
 
   void run();

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.multiproc import backend_under_test, is_tdist
@@ -54,8 +52,3 @@ def assert_served_by_tdist(diffs, ops, what=""):
     """Each op in `ops` was served by tdist kernels on every rank, and nothing fell back."""
     assert_routed(diffs, ops, "tdist", what)
 
-
-def tdist_shm_segments() -> set[str]:
-    """The job segments (tdist-*) now in /dev/shm: every one is unlinked as soon as its peers
-    mapped it, so none should stay between calls, after an error, or after a process exits."""
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tdist-")}

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests import jobs_bad_input as J
-from tests.helpers import skip_unless_tdist, tdist_shm_segments, ws_param
+from tests.helpers import skip_unless_tdist, ws_param
 from tests.multiproc import PoolStartError, RankPool, backend_under_test
+from torch_tdist.heap import shm_segment_names
 
 MAX_SECONDS = 10.0
 VALIDATION = (ValueError, TypeError)
@@ -50,9 +51,9 @@ PARAMS = [pytest.param(case, ws, id=f"{case}-ws{ws}") for case, (_, _, sizes) in
 
 @pytest.mark.parametrize("case,world_size", PARAMS)
 def test_bad_input_raises_on_every_rank(pool, case, world_size):
-    before = tdist_shm_segments()
+    before = shm_segment_names()
     errors = pool.run_expect_error(J.bad_call, case, max_seconds=MAX_SECONDS, timeout=60)
-    assert not tdist_shm_segments() - before, "segments left in /dev/shm after the errors"
+    assert not shm_segment_names() - before, "segments left in /dev/shm after the errors"
     ops, types, _ = EXPECT[case]
     skip_unless_tdist("exception type and message (op name, \"tdist\")")
     problems = []
@@ -121,9 +122,9 @@ def test_call_mismatched_across_ranks(pool, case, world_size, seed):
     """One rank's call differs from the others' (element count, dtype or collective): every
     rank that reads the odd rank's data raises a ValueError naming the op, none reads past a
     buffer or hangs, and the group keeps working afterwards."""
-    before = tdist_shm_segments()
+    before = shm_segment_names()
     outcomes = pool.run(J.mismatched_call_then_recover, case, seed, timeout=60)
-    assert not tdist_shm_segments() - before, "segments left in /dev/shm"
+    assert not shm_segment_names() - before, "segments left in /dev/shm"
     for r, outcome in enumerate(outcomes):
         assert outcome[0] == "raised", f"rank {r} did not raise: {outcomes}"
         assert outcome[1] == "ValueError", f"rank {r}: {outcome}"

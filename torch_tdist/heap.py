@@ -125,7 +125,7 @@ class _ShmSegment:
     def forget(handle: bytes):
         """Remove the name of a peer's segment (its handle) from /dev/shm."""
         name = handle.decode().partition(":")[0]
-        if re.fullmatch(r"tdist-[0-9a-f]{32}", name):
+        if _SEGMENT_NAME.fullmatch(name):
             _unlink(os.path.join(SHM_DIR, name))
 
     def close(self):
@@ -134,6 +134,15 @@ class _ShmSegment:
             self._map.close()
         except BufferError:
             pass  # views handed out still hold it; the mapping goes with the last of them
+
+
+_SEGMENT_NAME = re.compile(r"tdist-[0-9a-f]{32}")  # what _ShmSegment names its segments
+
+
+def shm_segment_names() -> set[str]:
+    """The tdist segments now named in /dev/shm. Each is unlinked as soon as every peer mapped
+    it, so none should stay between calls, after an error, or after a process exits."""
+    return {name for name in os.listdir(SHM_DIR) if _SEGMENT_NAME.fullmatch(name)}
 
 
 def _unlink(path: str):

@@ -11,7 +11,6 @@ mismatches, and whether heap usage, heap mappings and /dev/shm entries stayed fl
 
 import argparse
 import math
-import os
 import random
 import sys
 import time
@@ -21,7 +20,7 @@ from .launch import device_kind, run_local  # sets the NVLink-multicast safety v
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from .heap import parse_size  # noqa: E402
+from .heap import parse_size, shm_segment_names  # noqa: E402
 
 OPS = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
        "all_to_all_single", "broadcast", "reduce", "scatter", "gather")
@@ -133,10 +132,6 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
             f"mismatched, max abs diff {diff:.4g}")
 
 
-def _tdist_segments() -> int:
-    return sum(1 for name in os.listdir("/dev/shm") if name.startswith("tdist-"))
-
-
 def _soak_rank(rank, world, device, steps, seed, max_bytes):
     import warnings
 
@@ -152,7 +147,7 @@ def _soak_rank(rank, world, device, steps, seed, max_bytes):
             dist.barrier(group=group)
     heaps = [torch_tdist.get_heap(g) for m, g in groups if rank in m]
     dist.barrier()  # every group's heap is set up (and its segment names gone) on every rank
-    start = {"maps": _tdist_mappings(), "shm": _tdist_segments(), "heap": [h._top for h in heaps]}
+    start = {"maps": _tdist_mappings(), "shm": len(shm_segment_names()), "heap": [h._top for h in heaps]}
     rng = random.Random(seed)
     mismatches, began = [], time.monotonic()
     for i in range(steps):
@@ -164,7 +159,7 @@ def _soak_rank(rank, world, device, steps, seed, max_bytes):
     dist.barrier()
     return {"mismatches": mismatches,
             "maps_growth": _tdist_mappings() - start["maps"] if device.type == "cpu" else 0,
-            "shm_growth": _tdist_segments() - start["shm"],
+            "shm_growth": len(shm_segment_names()) - start["shm"],
             "heap_growth": sum(h._top for h in heaps) - sum(start["heap"]),
             "stats": torch_tdist.stats()}
 
