@@ -10,8 +10,9 @@ the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
-``--warmup``, the slowest rank's. Rank 0 writes ``overlap_<machine>.json``; ``python
-benchmarks/plot.py <json>`` draws the speedups.
+``--warmup``, the slowest rank's; ``<name>_host_us`` is the host time per call in
+the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
+``overlap_<machine>.json``; ``python benchmarks/plot.py <json>`` draws the speedups.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import start_job, time_loop_us, write_result  # noqa: E402
+from timing import start_job, time_loop, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -120,7 +121,8 @@ def main():
                 try:
                     for _ in range(args.warmup):
                         fn()
-                    row[f"{name}_us"] = round(time_loop_us(fn, args.iters, cpu_group), 1)
+                    gpu_us, host_us = time_loop(fn, args.iters, cpu_group)
+                    row[f"{name}_us"], row[f"{name}_host_us"] = round(gpu_us, 1), round(host_us, 1)
                 except Exception as err:  # noqa: BLE001 - symm_mem may be missing on this build
                     row[f"{name}_us"] = None
                     row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:200]
@@ -128,8 +130,9 @@ def main():
             if rank == 0:
                 ratio = row["sequential_us"] / row["tdist_us"]
                 symm = row.get("symm_mem_us")
-                print(f"{op} {shape:<18} {path:<10} tdist {row['tdist_us']:>8.1f} us  sequential "
-                      f"{row['sequential_us']:>8.1f} ({ratio:4.2f}x)  pipelined {row['pipelined_us']}  fused "
+                print(f"{op} {shape:<18} {path:<10} tdist {row['tdist_us']:>8.1f} us (host {row['tdist_host_us']}) sequential "
+                      f"{row['sequential_us']:>8.1f} ({ratio:4.2f}x)  pipelined {row['pipelined_us']} (host "
+                      f"{row['pipelined_host_us']})  fused "
                       f"{row['fused_us']}  symm_mem {symm}  matmul "
                       f"{row['matmul_us']:>8.1f}  collective {row['collective_us']:>8.1f}  err {error:.1e} {by_shard}",
                       flush=True)

@@ -7,11 +7,16 @@ way of overlapping is slower than it should be (copies that serialise, matmuls w
 
 Shapes as in benchmarks/overlap.py; bf16. Prints the events of two calls after three warm-ups and
 writes the Chrome trace to ``DIR/timeline_<op>_<overlap>.json`` (chrome://tracing, Perfetto).
+With ``--host N`` it profiles instead where the host's time goes in N calls back to back (rank 0,
+cProfile, by own time), and prints the host time per call.
 """
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import time
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -27,6 +32,7 @@ def main():
     parser.add_argument("--shape", default="8192x4096x12288")
     parser.add_argument("--overlap", default="pipelined", choices=("pipelined", "fused", "sequential"))
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--host", type=int, default=0, help="profile the host in this many calls")
     args = parser.parse_args()
     rank, world, device = start_job()
     os.environ["TDIST_OVERLAP"] = args.overlap
@@ -38,6 +44,10 @@ def main():
         op(a, b, group=group)
     torch.cuda.synchronize()
     dist.barrier()
+    if args.host:
+        _profile_host(lambda: op(a, b, group=group), args.host, rank)
+        dist.destroy_process_group()
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             op(a, b, group=group)
@@ -55,6 +65,24 @@ def main():
             print(f"  {e['args'].get('stream')!s:>4} {e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:80]}")
         print("wrote", path)
     dist.destroy_process_group()
+
+
+def _profile_host(call, calls: int, rank: int):
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    plain_us = (time.perf_counter() - start) * 1e6 / calls
+    torch.cuda.synchronize()
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"host time per call: {plain_us:.1f} us (without the profiler)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

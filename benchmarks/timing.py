@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,18 +36,28 @@ def time_loop_us(fn, iters: int, cpu_group, reps: int = 5, barrier_group=None) -
     """Microseconds per ``fn()`` when ``iters`` calls are issued back to back, by CUDA events
     (nccl-tests' way: host time hides behind GPU time where it is smaller); the median of
     ``reps`` loops, the slowest rank's."""
-    per_call = []
+    return time_loop(fn, iters, cpu_group, reps, barrier_group)[0]
+
+
+def time_loop(fn, iters: int, cpu_group, reps: int = 5, barrier_group=None) -> tuple[float, float]:
+    """(GPU, host) microseconds per ``fn()`` as ``time_loop_us`` measures them: host time is
+    from the first call to the last call's return (a call whose host time exceeds its GPU time
+    leaves the GPU idle: host-bound)."""
+    per_call, host_per_call = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
         dist.barrier(group=barrier_group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        host_start = time.perf_counter()
         for _ in range(iters):
             fn()
+        host_per_call.append((time.perf_counter() - host_start) * 1e6 / iters)
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) * 1e3 / iters)
-    return slowest(statistics.median(per_call), cpu_group)
+    return (slowest(statistics.median(per_call), cpu_group),
+            slowest(statistics.median(host_per_call), cpu_group))
 
 
 def machine(world: int) -> str:

@@ -28,6 +28,8 @@ using DriverLaunch = int (*)(
     void** params,
     void** extra);
 
+} // namespace
+
 void* driverSymbol(const char* name) {
   static void* lib = []() {
     void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
@@ -38,6 +40,8 @@ void* driverSymbol(const char* name) {
   TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no ", name);
   return sym;
 }
+
+namespace {
 
 DriverLaunch driverLaunch() {
   static auto fn = reinterpret_cast<DriverLaunch>(driverSymbol("cuLaunchKernel"));
@@ -157,19 +161,25 @@ void LaunchPlan::launch(
     const at::Tensor& input,
     const at::Tensor& output,
     void* stream) const {
+  launch(
+      {reinterpret_cast<uintptr_t>(input.data_ptr()),
+       reinterpret_cast<uintptr_t>(output.data_ptr())},
+      stream);
+}
+
+void LaunchPlan::launch(const std::vector<uintptr_t>& roles, void* stream)
+    const {
   std::array<uint64_t, kMaxParams> values{};
   std::array<void*, kMaxParams> args{};
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [kind, value] = params_[i];
-    switch (kind) {
-      case InputPtr:
-        values[i] = reinterpret_cast<uintptr_t>(input.data_ptr());
-        break;
-      case OutputPtr:
-        values[i] = reinterpret_cast<uintptr_t>(output.data_ptr());
-        break;
-      default: // a 32-bit literal sits in the low bytes (little-endian)
-        values[i] = value;
+    if (kind >= RolePtr) {
+      size_t role = kind - RolePtr;
+      TORCH_CHECK(role < roles.size(), "tdist: a launch plan names tensor ", role,
+                  " of a call with ", roles.size());
+      values[i] = roles[role] + value;
+    } else { // a 32-bit literal sits in the low bytes (little-endian)
+      values[i] = value;
     }
     args[i] = &values[i];
   }

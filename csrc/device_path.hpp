@@ -64,6 +64,10 @@ class StreamScope {
 // A pool stream of the device for the group's work.
 c10::Stream newCommStream(const c10::Device& device);
 
+// A symbol of the CUDA driver library torch loaded (taken at run time, so the
+// extension builds without a CUDA toolkit).
+void* driverSymbol(const char* name);
+
 // Whether `stream` (a CUDA one) is capturing a CUDA graph.
 bool streamIsCapturing(const c10::Stream& stream);
 
@@ -88,8 +92,10 @@ struct PlanKeyHash {
 
 class LaunchPlan {
  public:
-  // What one kernel parameter holds.
-  enum Kind : int { Literal64 = 0, Literal32 = 1, InputPtr = 2, OutputPtr = 3 };
+  // What one kernel parameter holds: a literal, or (kind RolePtr + r) the
+  // address of the call's tensor r plus the parameter's value, in bytes (a
+  // collective's tensors: 0 its input, 1 its output).
+  enum Kind : int { Literal64 = 0, Literal32 = 1, RolePtr = 2 };
 
   // From the executor's tuple: (function, (gx, gy, gz), threads, shared
   // bytes, [(kind, value), ...]).
@@ -102,6 +108,8 @@ class LaunchPlan {
   // Launches on `stream` (a native stream handle).
   void launch(const at::Tensor& input, const at::Tensor& output, void* stream)
       const;
+  // The same with the call's tensors' addresses.
+  void launch(const std::vector<uintptr_t>& roles, void* stream) const;
 
  private:
   static constexpr size_t kMaxParams = 40;

@@ -4,6 +4,7 @@
 
 #include "nvshmem_bootstrap.hpp"
 #include "process_group_tdist.hpp"
+#include "stream_program.hpp"
 
 namespace py = pybind11;
 using tdist::ProcessGroupTDist;
@@ -117,6 +118,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("world_size"),
       py::arg("library_path"),
       "(initialised here, my PE, number of PEs); NVSHMEM over the group");
+  py::class_<tdist::StreamProgram>(m, "StreamProgram")
+      .def(
+          py::init<const py::list&, std::vector<uintptr_t>>(),
+          py::arg("steps"),
+          py::arg("side_streams"))
+      .def(
+          "run",
+          &tdist::StreamProgram::run,
+          py::arg("roles"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Queue the recorded call with these tensors in place of the recorded ones.");
   m.def("nvshmem_malloc", &tdist::nvshmem::malloc, py::arg("nbytes"));
   m.def("nvshmem_free", &tdist::nvshmem::free, py::arg("address"));
   m.def(

@@ -89,7 +89,7 @@ class BulkPath:
         # this rank's programs touch them, so they live outside the heap; zero between calls
         self._counters = torch.zeros(world * KMAX, dtype=torch.int64, device=heap.device)
         self._data = {}
-        self._streams = Streams(heap.device)
+        self.streams = Streams(heap.device)
         self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
         # beside a compute-bound receiving kernel (a GEMM, which wants every SM): the copy
@@ -112,13 +112,26 @@ class BulkPath:
         return self.world + (flag_set * self.world + sender) * KMAX + k
 
     # ---- steps --------------------------------------------------------------------------
+    def _kernel(self, op: str, kernel, grid, *args, **meta):
+        """Launch ``kernel`` on the main stream (recorded as ``("launch", kernel, compiled, grid,
+        args, meta)`` while the streams record)."""
+        compiled = self._launch(op, kernel, grid, *args, **meta)
+        if self.streams.recording is not None:
+            self.streams.recording.append(("launch", kernel, compiled, grid, args, meta))
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
+        """``out = a @ b`` on the main stream (recorded as ``("mm", out, a, b)``)."""
+        torch.mm(a, b, out=out)
+        if self.streams.recording is not None:
+            self.streams.recording.append(("mm", out, a, b))
+
     def _start_barrier(self, op: str, signature: int, sides: int | None = None):
         """Every peer has finished its previous call and makes this one (the same
         ``signature``: op, dtype, count, chunks); on the main stream, then the call's side
         streams are ordered after it. From here until the call returns, the group's flags are
         in flight (``in_flight``)."""
         self.in_flight = True
-        streams = self._streams
+        streams = self.streams
         sides = self.world - 1 if sides is None else sides
         streams.begin(sides)
         for p in self._peers():
@@ -144,9 +157,9 @@ class BulkPath:
             for k in range(n_chunks):
                 piece = part[k * chunk:(k + 1) * chunk]
                 if piece.numel():
-                    self._streams.copy(stream, dst[k * chunk:k * chunk + piece.numel()], piece)
+                    self.streams.copy(stream, dst[k * chunk:k * chunk + piece.numel()], piece)
                 address = self._flag_address(peer, self._ready_index(flag_set, self.rank, k))
-                self._streams.write(stream, address, 1)
+                self.streams.write(stream, address, 1)
         return None
 
     def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple, int]:
@@ -162,7 +175,7 @@ class BulkPath:
         and raises a ValueError at once if a peer wrote another value (it made a different call:
         another collective, dtype or element count)."""
         if self.device.type == "cuda":
-            self._launch(op, bulk.wait_peers_kernel, (1,), self.heap.ctx, self._flags[first:], stride, value,
+            self._kernel(op, bulk.wait_peers_kernel, (1,), self.heap.ctx, self._flags[first:], stride, value,
                          ME=self.rank, WORLD=self.world)
             return
         for p in self._peers():
@@ -183,7 +196,7 @@ class BulkPath:
 
     def _done_with(self, flag_set: int):
         first = self._ready_index(flag_set, 0, 0)
-        self._streams.zero(0, self._flags[first:first + self.world * KMAX])
+        self.streams.zero(0, self._flags[first:first + self.world * KMAX])
 
     @staticmethod
     def _signature(call_word: int, count: int, n_chunks: int) -> int:
@@ -222,7 +235,7 @@ class BulkPath:
         dtype = out.dtype
         grid, push_args, pushers = self._pushers(push, own)
         offsets = (*offsets, slot_stride, chunk, push_args[1])
-        self._launch(op, bulk.gather_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
+        self._kernel(op, bulk.gather_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride, part_len, limit,
                      chunk, n_chunks, *push_args, ALIGN=vector(dtype) if aligned(dtype, offsets) else 1,
                      PUSHERS=pushers, **self.kernel_meta(dtype))
@@ -233,7 +246,7 @@ class BulkPath:
         dtype = dst.dtype
         grid, push_args, pushers = self._pushers(push, own)
         offsets = (*offsets, slot_stride, chunk, push_args[1])
-        self._launch(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
+        self._kernel(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk, n_chunks, *push_args,
                      ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
                      ACC=self._accumulator(dtype), PUSHERS=pushers, **self.kernel_meta(dtype))
@@ -250,7 +263,7 @@ class BulkPath:
             chunk, n_chunks = self._chunking(dtype, length)
             self._start_barrier(op, self._signature(call_word, n, n_chunks))
             yield start, length, chunk, n_chunks
-            self._streams.join(self.world - 1)
+            self.streams.join(self.world - 1)
         self.in_flight = False
 
     def all_gather(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor):
@@ -286,7 +299,7 @@ class BulkPath:
         consume(src, self._slots(dtype), n, self._flags[self._ready_index(0, 0, 0):], chunk, n_chunks,
                 grid, push_args, pushers)
         self._done_with(0)
-        self._streams.join(self.world - 1)
+        self.streams.join(self.world - 1)
         self.in_flight = False
 
     def reduce_scatter_produced(self, op: str, call_word: int, out: torch.Tensor, rows: int, chunk: int,
@@ -303,7 +316,7 @@ class BulkPath:
         produce(slots, n, self._flags[self._ready_index(0, 0, 0):], self._counters)
         self._reduce(op, slots[self.rank * n:], slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(self.rank * n, chunk), push=None)
-        self._streams.join(self.world - 1)
+        self.streams.join(self.world - 1)
         self.in_flight = False
 
     def all_gather_pulled(self, op: str, call_word: int, src: torch.Tensor, gathered: torch.Tensor,
@@ -326,7 +339,7 @@ class BulkPath:
         n, me, dtype = src.numel(), self.rank, src.dtype
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
-        streams, pulls = self._streams, 1 if consume else 0
+        streams, pulls = self.streams, 1 if consume else 0
         streams.begin(pulls)
         streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=pulls)
@@ -348,31 +361,31 @@ class BulkPath:
         self.in_flight = False
 
     def reduce_scatter_pipelined(self, op: str, call_word: int, out: torch.Tensor, chunk: int,
-                                 reduce_op: str, produce):
+                                 reduce_op: str, produce, staging: torch.Tensor):
         """reduce_scatter whose parts torch ops make on the caller's stream: ``out`` (flat, n) =
         OP over ranks of their part for this rank. ``produce(rank, start, dst)`` queues elements
         ``[start, start + dst.numel())`` of this rank's part for ``rank`` into ``dst``: the
         peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
         the next is made, this rank's own part last, then the reduce kernel sums the chunks as
-        they land. One round (``part_capacity``), at most KMAX chunks."""
+        they land, the peers' parts made in ``staging`` (at least world x n elements). One round
+        (``part_capacity``), at most KMAX chunks."""
         n, world, dtype = out.numel(), self.world, out.dtype
         n_chunks = max(1, -(-n // chunk))
         self._start_barrier(op, self._signature(call_word, n, n_chunks))
-        staging = torch.empty(world * n, dtype=dtype, device=self.device)
         slots = self._slots(dtype)
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
             for stream, d in enumerate(self._peers(), start=1):
                 part = staging[d * n + lo:d * n + hi]
                 produce(d, lo, part)
-                self._streams.hand_over(stream)
-                self._streams.copy(stream, self._slots(dtype, d)[self.rank * n + lo:self.rank * n + hi], part)
-                self._streams.write(stream, self._flag_address(d, self._ready_index(0, self.rank, k)), 1)
+                self.streams.hand_over(stream)
+                self.streams.copy(stream, self._slots(dtype, d)[self.rank * n + lo:self.rank * n + hi], part)
+                self.streams.write(stream, self._flag_address(d, self._ready_index(0, self.rank, k)), 1)
         own = slots[self.rank * n:(self.rank + 1) * n]
         produce(self.rank, 0, own)
         self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(self.rank * n, chunk), push=None)
-        self._streams.join(world - 1)
+        self.streams.join(world - 1)
         self.in_flight = False
 
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
@@ -400,9 +413,9 @@ class BulkPath:
             push = self._push(0, src[start:], part, part, piece, me * part, chunk, n_chunks)
             self._reduce(op, src[lo:], mine, part, 0, reduced, hi - lo, chunk, n_chunks, reduce_op,
                          offsets=(lo, part, start), push=push)
-            self._streams.fork(world - 1)  # the reduced slot is complete
+            self.streams.fork(world - 1)  # the reduced slot is complete
             push = self._push(1, reduced, 0, hi - lo, NO_LIMIT, (world + me) * part, chunk, n_chunks)
             self._gather(op, reduced, mine[world * part:], part, 1, out[start:], part, part, piece,
                          chunk, n_chunks, offsets=(start, part), push=push)
-            self._streams.join(world - 1)
+            self.streams.join(world - 1)
         self.in_flight = False

@@ -83,6 +83,9 @@ GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
                  {"BM": 128, "BN": 256, "BK": 64, "num_stages": 3},
                  {"BM": 256, "BN": 128, "BK": 64, "num_stages": 3}])
 GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
+# A replayed launch's pointer parameter (kind, value): kind LAUNCH_ROLE_PTR + r is the call's
+# tensor r plus value bytes, kind 0 the address value (csrc/device_path.hpp, LaunchPlan::Kind).
+LAUNCH_ROLE_PTR = 2
 
 # What a rank writes into its header, so that peers can tell a mismatched call from data
 # (variants of one collective, like all_gather and all_gather_into_tensor, share a code).
@@ -158,6 +161,7 @@ class Executor:
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
+        self._programs = {}  # pipelined ops: key -> recorded StreamProgram, or False (cannot be)
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
         self.algorithm = os.environ.get("TDIST_ALGORITHM", "auto").lower()
         if self.algorithm not in ALGORITHMS:
@@ -168,6 +172,7 @@ class Executor:
             raise ValueError(f"tdist: TDIST_BULK_PUSH={self.bulk_pusher!r}; expected one of "
                              f"{', '.join(PUSHERS)}")
         self.fused_calls = collections.Counter()  # torch_tdist.ops calls the overlapping kernels served
+        self.replayed_calls = collections.Counter()  # of those, pipelined calls C++ replayed (_recorded)
         self.overlap = os.environ.get("TDIST_OVERLAP", "auto").lower()
         if self.overlap not in OVERLAPS:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
@@ -357,6 +362,7 @@ class Executor:
             compiled = kernel[grid](*args, **meta)
             if not language.INTERPRET and self._replayable:
                 self._launched.append((kernel, compiled, grid, args, meta))
+            return compiled
 
     @contextlib.contextmanager
     def _peer_timeouts(self, op: str):
@@ -415,31 +421,44 @@ class Executor:
     def _plan(self, src: torch.Tensor, dst: torch.Tensor):
         """The call's launch as C++ can replay it for the next call of this shape (see
         ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params)``, each
-        param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, 2 the input's address and
-        3 the output's. None when the call was not one plain launch on ``src`` and ``dst``."""
+        param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
+        address and LAUNCH_ROLE_PTR + 1 the output's. None when the call was not one plain launch on ``src`` and ``dst``."""
         if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
             return None
         (kernel, compiled, grid, args, meta), = self._launched
         self._launched = []
+        roles = {"src": (src.data_ptr(), LAUNCH_ROLE_PTR), "dst": (dst.data_ptr(), LAUNCH_ROLE_PTR + 1)}
+
+        def bind(name, value):
+            if name not in roles:
+                return 0, value.data_ptr()
+            if value.data_ptr() != roles[name][0] or value.data_ptr() % 16:
+                return None  # a copy of the caller's tensor, or unaligned
+            return roles[name][1], 0
+        return self._launch_tuple(kernel, compiled, grid, args, meta, bind)
+
+    def _launch_tuple(self, kernel, compiled, grid, args, meta, bind):
+        """A recorded launch as ``LaunchPlan`` takes it: ``(function, grid, threads, shared
+        bytes, params)``; ``bind(name, tensor)`` says what a pointer parameter holds, ``(kind,
+        value)``, or None when it cannot be replayed (then None: neither can the launch). The
+        tensors of literal pointers are kept alive."""
         md = compiled.metadata
         if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0)
                 or getattr(md, "profile_scratch_size", 0) or getattr(md, "launch_cooperative_grid", False)
                 or getattr(md, "launch_pdl", False) or compiled.function is None):
             return None
         bound = dict(zip(kernel.arg_names, args), **meta)
-        roles = {"src": (src.data_ptr(), 2), "dst": (dst.data_ptr(), 3)}
         params, pinned = [], []
         for name, kind in compiled.src.signature.items():
             value = bound[name]
             if kind == "constexpr":
                 continue
             if kind.startswith("*"):
-                if name in roles:
-                    if value.data_ptr() != roles[name][0] or value.data_ptr() % 16:
-                        return None  # a copy of the caller's tensor, or unaligned
-                    params.append((roles[name][1], 0))
-                else:
-                    params.append((0, value.data_ptr()))
+                param = bind(name, value)
+                if param is None:
+                    return None
+                params.append(param)
+                if param[0] == 0:
                     pinned.append(value)
             elif kind in ("i32", "u32"):
                 params.append((1, int(value) & 0xFFFFFFFF))
@@ -694,17 +713,21 @@ class Executor:
         rounds = self._pipelined_rounds(op, a, m, k, chunks, pulled=True)
         if rounds is None:
             return False
-        for row0, rows, chunk in rounds:
 
-            def consume(rank, start, piece):
-                r0, count = rank * m + row0 + start // k, piece.numel() // k
-                torch.mm(piece.view(count, k), b, out=out[r0:r0 + count])
+        def calls():
+            for row0, rows, chunk in rounds:
 
-            a_round = a[row0:row0 + rows].reshape(-1)
-            # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
-            gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
-            self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pulled(
-                op_, word, flat, gathered, chunk, consume), out, a_round)
+                def consume(rank, start, piece):
+                    r0, count = rank * m + row0 + start // k, piece.numel() // k
+                    self._bulk.matmul(piece.view(count, k), b, out[r0:r0 + count])
+
+                a_round = a[row0:row0 + rows].reshape(-1)
+                # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
+                gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
+                self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pulled(
+                    op_, word, flat, gathered, chunk, consume), out, a_round)
+
+        self._recorded(op, (op, chunks), [a, b, out, a_out], calls)
         return True
 
     def matmul_reduce_scatter_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -719,15 +742,110 @@ class Executor:
         rounds = self._pipelined_rounds(op, a, m, n, chunks)
         if rounds is None:
             return False
-        for row0, rows, chunk in rounds:
+        staging = out.new_empty(self.world_size * max(rows for _, rows, _ in rounds) * n)
 
-            def produce(rank, start, dst):
-                r0, count = rank * m + row0 + start // n, dst.numel() // n
-                torch.mm(a[r0:r0 + count], b, out=dst.view(count, n))
+        def calls():
+            for row0, rows, chunk in rounds:
 
-            self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
-                op_, word, flat, chunk, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
+                def produce(rank, start, dst):
+                    r0, count = rank * m + row0 + start // n, dst.numel() // n
+                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n))
+
+                self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
+                    op_, word, flat, chunk, reduce_op, produce, staging), out[row0:row0 + rows].view(-1), a)
+
+        self._recorded(op, (op, chunks, reduce_op), [a, b, out, staging], calls)
         return True
+
+    def _recorded(self, op: str, key: tuple, roles: list[torch.Tensor], calls):
+        """``calls()``: a pipelined op's bulk calls, made in Python. On GPUs the first call of
+        ``key`` and of these ``roles``' shapes is recorded (``Streams.recording``), and later
+        ones replay it from C++ with their own ``roles`` (csrc/stream_program.hpp): the same
+        steps without Python's tens of microseconds each."""
+        # (the kernels were compiled for their pointers' 16-byte alignment)
+        key = (*key, *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16) for t in roles))
+        program = self._programs.get(key)
+        if program:
+            self._replay(op, program, roles)
+            return
+        streams = self._bulk.streams
+        record = program is None and self._heap.device.type == "cuda" and not self._check_calls
+        streams.recording = [] if record else None
+        try:
+            calls()
+            steps = streams.recording
+        finally:
+            streams.recording = None
+        if record:
+            self._programs[key] = self._stream_program(steps, roles) or False
+
+    def _replay(self, op: str, program, roles: list[torch.Tensor]):
+        self._replayable = False
+        self.replayed_calls[op] += 1
+        try:
+            program.run(roles)
+        except Exception as err:
+            self._stopped = f"{op} failed part-way ({type(err).__name__})"  # flags may be left on peers
+            raise
+
+    def _stream_program(self, steps: list, roles: list[torch.Tensor]):
+        """The recorded ``steps`` as a ``_C.StreamProgram``, every address in one of ``roles``
+        bound to it; None if one is neither in a role nor in the heap (a tensor of this call
+        only, which a replay must not reuse)."""
+        from . import _C
+
+        heap = self._heap
+        extents = [(t.data_ptr(), t.numel() * t.element_size(), t.dtype) for t in roles]
+        lasting = {heap.ctx.data_ptr()}
+
+        def locate(address: int, dtype=None):
+            """(role, bytes from its first) or (-1, address); None if it may not last."""
+            for role, (first, nbytes, role_dtype) in enumerate(extents):
+                if 0 <= address - first < nbytes and dtype in (None, role_dtype):
+                    return role, address - first
+            in_heap = any(0 <= address - heap.base_address(p) < heap.nbytes for p in range(self.world_size))
+            return (-1, address) if in_heap or address in lasting else None
+
+        def view(t: torch.Tensor):
+            found = locate(t.data_ptr(), t.dtype)
+            if found is None:
+                return None
+            role, offset = found
+            return role, t if role < 0 else None, offset // t.element_size(), list(t.shape), list(t.stride())
+
+        program = []
+        for kind, *step in steps:
+            if kind in ("copy", "zero", "write"):
+                stream, address, *rest = step
+                where = locate(address)
+                if kind == "copy":
+                    rest = [locate(rest[0]), rest[1]]
+                    if rest[0] is None:
+                        return None
+                program.append((kind, stream, where, *rest))
+                if where is None:
+                    return None
+            elif kind in ("fork", "join"):
+                program.append((kind, *step))
+            elif kind == "mm":
+                views = [view(t) for t in step]
+                if None in views:
+                    return None
+                program.append((kind, *views))
+            else:  # launch
+                kernel, compiled, grid, args, meta = step
+
+                def bind(name, value):
+                    found = locate(value.data_ptr())
+                    if found is None:
+                        return None
+                    role, offset = found
+                    return (0, offset) if role < 0 else (LAUNCH_ROLE_PTR + role, offset)
+                launch = self._launch_tuple(kernel, compiled, grid, args, meta, bind)
+                if launch is None:
+                    return None
+                program.append((kind, launch))
+        return _C.StreamProgram(program, self._bulk.streams.side_handles)
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):
         """all_gather_into_tensor as between nodes of ``ranks_per_node`` ranks: NVSHMEM puts

@@ -24,6 +24,7 @@ where overlap cannot pay stays sequential.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -96,7 +97,8 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 
 
 # ---- choosing how to run -------------------------------------------------------------------
-TUNE_RUNS = 5  # timed calls of each way, after one warm-up, when a shape class is tuned
+TUNE_RUNS = 5  # calls of a way timed together, after one warm-up, when a shape class is tuned
+TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
 
@@ -139,23 +141,24 @@ def _or_sequential(result, sequential):
 
 
 def _fastest(group, device: torch.device, ways: dict) -> str:
-    """The way with the least time per call, each timed on every rank in the same order, the
-    ranks starting each timing together; the slowest rank's time counts, so every rank picks
-    the same. Another way replaces "sequential" only if it is OVERLAP_MARGIN faster (timings
-    of a few calls are noisy, and a wrong pick costs every later call)."""
-    times = []
+    """The way with the least time per call: TUNE_ROUNDS rounds over the ways (so that a slow
+    moment of the machine does not count against one way only), each timing TUNE_RUNS calls on
+    every rank, the ranks starting together; a way's time is its median round, the slowest
+    rank's, so every rank picks the same. Another way replaces "sequential" only if it is
+    OVERLAP_MARGIN faster (a wrong pick costs every later call)."""
+    names = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
+    rounds = {name: [] for name in names}
     aligned = torch.zeros(1, device=device)
-    for way in ways.values():
-        if way() is None:  # (also the warm-up: compiles)
-            times.append(float("inf"))
-            continue
-        dist.all_reduce(aligned, group=group)
-        _synchronize()
-        start = time.perf_counter()
-        for _ in range(TUNE_RUNS):
-            way()
-        _synchronize()
-        times.append((time.perf_counter() - start) / TUNE_RUNS)
+    for _ in range(TUNE_ROUNDS):
+        for name in names:
+            dist.all_reduce(aligned, group=group)
+            _synchronize()
+            start = time.perf_counter()
+            for _ in range(TUNE_RUNS):
+                ways[name]()
+            _synchronize()
+            rounds[name].append((time.perf_counter() - start) / TUNE_RUNS)
+    times = [statistics.median(rounds[name]) if name in rounds else float("inf") for name in ways]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     slowest = slowest.cpu()

@@ -7,6 +7,11 @@ On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory ba
 On the CPU the same interface works where the stream is the calling thread: stores and torch
 copies. Waits are not here: a stream held by ``cuStreamWaitValue64`` could not give up when a
 peer dies, so the bulk path waits with a kernel (``BulkPath._wait_for_peers``).
+
+While ``recording`` is a list, every step is also appended to it, with raw addresses, for C++ to
+replay (``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src,
+bytes)``, ``("zero", stream, address, int64s)``, ``("write", stream, address, value)``,
+``("fork", side)`` (the side stream after the main one), ``("join", side)`` (the reverse).
 """
 
 import ctypes
@@ -22,7 +27,7 @@ class Streams:
         self.device = device
         self._side = []  # (torch stream, CUstream, CUevent)
         self._main_event = None
-
+        self.recording = None
 
     @property
     def on_cpu(self) -> bool:
@@ -42,26 +47,37 @@ class Streams:
         if self._main_event is None:
             self._main_event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
+    @property
+    def side_handles(self) -> list[int]:
+        """The side streams' native handles."""
+        return [stream.cuda_stream for stream, _, _ in self._side]
+
+    def _record(self, *step):
+        if self.recording is not None:
+            self.recording.append(step)
+
     def fork(self, sides: int):
         """Order the first ``sides`` side streams after everything queued on the main stream."""
-        self._after_main(self._side[:sides])
+        self._after_main(range(1, sides + 1))
 
     def hand_over(self, stream: int):
         """Order side stream ``stream`` after everything queued on the main stream so far."""
-        self._after_main(self._side[stream - 1:stream])
+        self._after_main((stream,))
 
-    def _after_main(self, sides: list):
+    def _after_main(self, sides):
         if self.on_cpu:
             return
         cu = _driver()
         _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
-        for _, handle, _ in sides:
-            _check(cu.cuStreamWaitEvent(handle, self._main_event, 0), "cuStreamWaitEvent")
+        for stream in sides:
+            self._record("fork", stream)
+            _check(cu.cuStreamWaitEvent(self._side[stream - 1][1], self._main_event, 0), "cuStreamWaitEvent")
 
     def join_one(self, stream: int):
         """Order the main stream after everything queued on side stream ``stream`` so far."""
         if self.on_cpu:
             return
+        self._record("join", stream)
         cu = _driver()
         _, handle, event = self._side[stream - 1]
         _check(cu.cuEventRecord(event, handle), "cuEventRecord")
@@ -80,6 +96,7 @@ class Streams:
         if self.on_cpu:
             dst.copy_(src)
             return
+        self._record("copy", stream, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
         cu = _driver()
         _check(cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
                                 self._handle(stream)), "cuMemcpyAsync")
@@ -89,6 +106,7 @@ class Streams:
         if self.on_cpu:
             t.zero_()
             return
+        self._record("zero", stream, t.data_ptr(), t.numel())
         cu = _driver()
         _check(cu.cuMemsetD32Async(t.data_ptr(), 0, 2 * t.numel(), self._handle(stream)), "cuMemsetD32Async")
 
@@ -98,6 +116,7 @@ class Streams:
         if self.on_cpu:
             ctypes.c_int64.from_address(address).value = value
             return
+        self._record("write", stream, address, value)
         cu = _driver()
         _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
 

@@ -1,0 +1,69 @@
+// A bulk-path call of the pipelined overlap ops (torch_tdist/bulk.py), as
+// Python recorded it the first time: copies, flag writes and zeroing on the
+// caller's stream and side streams, fork and join between them, matmuls and
+// Triton launches. Replayed from C++ for later calls of the same shapes with
+// the call's tensors ("roles": the matmul's operands and results, a staging
+// buffer) in place of the recorded ones; everything else (the heap's slots
+// and flags) is where it was. Host time per call: a few microseconds a step
+// instead of tens in Python.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "device_path.hpp"
+
+namespace tdist {
+
+class StreamProgram {
+ public:
+  // `steps`: the executor's list (torch_tdist/collectives.py,
+  // Executor._stream_program); `sideStreams`: the side streams' handles.
+  StreamProgram(const py::list& steps, std::vector<uintptr_t> sideStreams);
+  ~StreamProgram();
+  StreamProgram(const StreamProgram&) = delete;
+  StreamProgram& operator=(const StreamProgram&) = delete;
+
+  // Queues the call on the current stream of `roles[0]`'s device and the
+  // side streams; `roles` as recorded (same shapes, strides and dtypes).
+  void run(const std::vector<at::Tensor>& roles) const;
+
+ private:
+  enum Kind : int { Copy, Zero, Write, Fork, Join, Matmul, Launch };
+  // An address: roles[role]'s plus `value` bytes, or (role -1) `value` itself.
+  struct Address {
+    int role = -1;
+    uint64_t value = 0;
+  };
+  // A matmul operand: a view of roles[role] (element `offset` from its
+  // first, `sizes`, `strides`), or (role -1) the recorded tensor itself.
+  struct View {
+    int role = -1;
+    at::Tensor fixed;
+    int64_t offset = 0;
+    std::vector<int64_t> sizes, strides;
+  };
+  struct Step {
+    Kind kind;
+    int stream = 0; // 0 the caller's, i > 0 side stream i
+    Address dst, src;
+    uint64_t count = 0; // bytes to copy, int64s to zero, the value to write
+    View out, a, b;
+    int launch = -1;
+  };
+
+  static Address address(const py::handle& item);
+  static View view(const py::handle& item);
+  uintptr_t resolve(const Address& address, const std::vector<uintptr_t>& roles) const;
+  at::Tensor resolve(const View& view, const std::vector<at::Tensor>& roles) const;
+
+  std::vector<Step> steps_;
+  std::vector<LaunchPlan> launches_;
+  std::vector<void*> sides_;
+  std::vector<void*> sideEvents_; // one per side stream, and the caller's last
+};
+
+} // namespace tdist
