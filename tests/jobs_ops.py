@@ -69,29 +69,32 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fu
     chk.done()
 
 
-def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused=False):
-    """Rank r has A_r [ws*m, k] and B_r [k, n]; out_r = rows r of OP_r(A_r @ B_r)."""
-    chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}, {shape}]")
+def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused=False, scatter_dim=0):
+    """Rank r has A_r [ws*m, k] (or [2, ws*m, k] scattered along dim 1) and B_r [k, n]; out_r =
+    rows r of OP_r(A_r @ B_r)."""
+    chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}, {shape}, dim {scatter_dim}]")
     d = dt(dtype)
     m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50), "big": (300, 40, 50)}[shape]
+    lead = [ws * m] if scatter_dim == 0 else [2, ws * m]
     executor = torch_tdist.get_executor()
     fused_before = executor.fused_calls["matmul_reduce_scatter"]
-    a = {r: _operand([ws * m, k], d, seed, 300 + r) for r in range(ws)}
+    a = {r: _operand([*lead, k], d, seed, 300 + r) for r in range(ws)}
     b = {r: _operand([k, n], d, seed, 400 + r) for r in range(ws)}
-    w = {r: _operand([m, n], d, seed, 500 + r) for r in range(ws)}
+    w = {r: _operand([*lead, n], d, seed, 500 + r).chunk(ws, dim=scatter_dim)[r] for r in range(ws)}
     scale = 1.0 / ws if reduce_op == "avg" else 1.0
     mine_a, mine_b = a[rank].clone().requires_grad_(), b[rank].clone().requires_grad_()
 
-    out = torch_tdist.ops.matmul_reduce_scatter(mine_a, mine_b, reduce_op=reduce_op)
+    out = torch_tdist.ops.matmul_reduce_scatter(mine_a, mine_b, scatter_dim=scatter_dim, reduce_op=reduce_op)
     total = sum(a[r].double() @ b[r].double() for r in range(ws)) * scale
-    _close(chk, out, total.chunk(ws)[rank], "output")
+    _close(chk, out, total.chunk(ws, dim=scatter_dim)[rank], "output")
     served = executor.fused_calls["matmul_reduce_scatter"] - fused_before
     chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     (out * w[rank]).sum().backward()
 
-    grad_c = torch.cat([w[r].double() for r in range(ws)]) * scale  # d loss / d (A_rank @ B_rank)
+    # d loss / d (A_rank @ B_rank)
+    grad_c = torch.cat([w[r].double() for r in range(ws)], dim=scatter_dim) * scale
     _close(chk, mine_a.grad, grad_c @ b[rank].double().t(), "grad of A")
-    _close(chk, mine_b.grad, a[rank].double().t() @ grad_c, "grad of B")
+    _close(chk, mine_b.grad, (a[rank].double().reshape(-1, k).t() @ grad_c.reshape(-1, n)), "grad of B")
     chk.done()
 
 

@@ -82,6 +82,14 @@ def test_overlapped_matmul_reduce_scatter(overlapped_pool, dtype, shape, reduce_
     overlapped_pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op, shape, True, timeout=240)
 
 
+@ws_param([2])
+def test_overlapped_ops_along_dim_1(overlapped_pool, seed):
+    """A [2, S, k] gathered or scattered along S (sequence parallelism): the overlapped ways take
+    it too (S moved to the front and back), outputs and gradients as on the sequential path."""
+    overlapped_pool.run(J.all_gather_matmul, "bfloat16", seed, 1, 1, "small", True, timeout=240)
+    overlapped_pool.run(J.matmul_reduce_scatter, "bfloat16", seed, "sum", "small", True, 1, timeout=240)
+
+
 @ws_param([2, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])

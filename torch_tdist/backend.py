@@ -121,6 +121,15 @@ def _tdist_backend(group=None) -> _C.ProcessGroupTDist:
     )
 
 
+def is_tdist_group(group=None) -> bool:
+    """Whether ``group`` (None: the default group) is served by tdist."""
+    try:
+        _tdist_backend(group)
+    except ValueError:
+        return False
+    return True
+
+
 def stats(group=None) -> dict[str, dict[str, int]]:
     """How many calls of each op tdist served and how many went to the fallback
     backend: ``{op: {"tdist": n, "fallback": m}}``. ``group=None``: the default group."""

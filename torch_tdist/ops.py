@@ -13,12 +13,14 @@ ops that take the group by name, with fake kernels (torch.compile traces them wi
 matmul with the gathered operand.
 
 How they run (``TDIST_OVERLAP``, see ``collectives.OVERLAPS``): the sequential path (the group's
-collective, then ``torch.matmul``); pipelined (along dim 0: the copy engines move chunks while
+collective, then ``torch.matmul``); pipelined (the copy engines move chunks while
 torch.matmul takes the ones that have landed, ``Executor.all_gather_matmul_pipelined`` /
 ``matmul_reduce_scatter_pipelined``); or fused (one Triton kernel computes tiles as their chunks
 land, ``Executor.all_gather_matmul`` / ``matmul_reduce_scatter``), one of their tile configs.
 With "tune" the group times them all on a shape's first call and keeps the fastest, so a shape
-where overlap cannot pay stays sequential.
+where overlap cannot pay stays sequential. The overlapped ways gather or scatter rows: another
+``gather_dim`` / ``scatter_dim`` is moved to the front first (free when the dimensions before it
+have size 1, a copy otherwise) and back after.
 """
 
 from __future__ import annotations
@@ -208,16 +210,17 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
         return a_full, [torch.matmul(a_full, b) for b in bs]
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
-    return _run(group, key, sequential,
-                (lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way)) if dim == 0 else None)
+    return _run(group, key, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim))
 
 
-def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple):
-    """The op overlapped (``Executor.all_gather_matmul``, or ``..._pipelined``) for a gather
-    along dim 0, or None where the heap cannot take it."""
+def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple, dim: int):
+    """The op overlapped (``Executor.all_gather_matmul``, or ``..._pipelined``), or None where
+    the heap cannot take it. The executor gathers rows: a gather along another dimension
+    moves it first (a copy unless the dimensions before it have size 1) and back after."""
     executor = get_executor(group)
     k, world = a_shard.shape[-1], group.size()
-    a = a_shard.reshape(-1, k).contiguous()
+    moved = a_shard.movedim(dim, 0)
+    a = moved.reshape(-1, k).contiguous()
     b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
     out = a.new_empty((world * a.shape[0], b.shape[1]))
     a_full = a.new_empty((world * a.shape[0], k))
@@ -225,10 +228,12 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
     run = executor.all_gather_matmul_pipelined if kind == "pipelined" else executor.all_gather_matmul
     if not run(a, b, out, a_full, setting):
         return None
-    lead = (world * a_shard.shape[0], *a_shard.shape[1:-1])
+    lead = (world * moved.shape[0], *moved.shape[1:-1])
     widths = [w.shape[1] for w in bs]
-    outs = [out] if len(bs) == 1 else [part.contiguous() for part in out.split(widths, dim=1)]
-    return a_full.view(*lead, k), [o.view(*lead, w) for o, w in zip(outs, widths)]
+    outs = [out] if len(bs) == 1 else [part for part in out.split(widths, dim=1)]
+    # (contiguous: the fake kernels' strides)
+    return (a_full.view(*lead, k).movedim(0, dim).contiguous(),
+            [o.reshape(*lead, w).movedim(0, dim).contiguous() for o, w in zip(outs, widths)])
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:
@@ -277,21 +282,24 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
     return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
-                (lambda way: _overlapped_matmul_reduce_scatter(a, b, group, reduce_op, way)) if dim == 0 else None)
+                lambda way: _overlapped_matmul_reduce_scatter(a, b, group, reduce_op, way, dim))
 
 
-def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, way: tuple):
-    """The op overlapped (``Executor.matmul_reduce_scatter``, or ``..._pipelined``) for a
-    scatter along dim 0, or None where the heap cannot take it."""
+def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, way: tuple, dim: int):
+    """The op overlapped (``Executor.matmul_reduce_scatter``, or ``..._pipelined``), or None
+    where the heap cannot take it. The executor scatters rows: a scatter along another dimension
+    moves it first (a copy unless the dimensions before it have size 1) and back after."""
     executor = get_executor(group)
     world = group.size()
-    rows = a.reshape(-1, a.shape[-1])
+    moved = a.movedim(dim, 0)
+    rows = moved.reshape(-1, a.shape[-1]).contiguous()
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
     kind, setting = way
     run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
     if not run(rows, b, out, reduce_op, setting):
         return None
-    return out.view(a.shape[0] // world, *a.shape[1:-1], b.shape[1])
+    # (contiguous: the fake kernels' strides)
+    return out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim).contiguous()
 
 
 def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
