@@ -76,7 +76,7 @@ StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideS
   for (size_t i = 0; i <= sides_.size(); ++i) {
     void* event = nullptr;
     check(driver().eventCreate(&event, kEventDisableTiming), "cuEventCreate");
-    sideEvents_.push_back(event);
+    events_.push_back(event);
   }
   for (const auto& item : steps) {
     auto t = item.cast<py::tuple>();
@@ -112,7 +112,7 @@ StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideS
 }
 
 StreamProgram::~StreamProgram() {
-  for (void* event : sideEvents_) {
+  for (void* event : events_) {
     driver().eventDestroy(event); // (at exit the context may be gone: nothing to do)
   }
 }
@@ -147,7 +147,7 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
                    .native_handle();
   const auto& cu = driver();
   auto stream = [&](int index) { return index == 0 ? main : sides_[index - 1]; };
-  void* mainEvent = sideEvents_.back();
+  void* mainEvent = events_.back();
   for (const auto& s : steps_) {
     switch (s.kind) {
       case Copy:
@@ -168,8 +168,8 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
         check(cu.waitEvent(stream(s.stream), mainEvent, 0), "cuStreamWaitEvent");
         break;
       case Join:
-        check(cu.eventRecord(sideEvents_[s.stream - 1], stream(s.stream)), "cuEventRecord");
-        check(cu.waitEvent(main, sideEvents_[s.stream - 1], 0), "cuStreamWaitEvent");
+        check(cu.eventRecord(events_[s.stream - 1], stream(s.stream)), "cuEventRecord");
+        check(cu.waitEvent(main, events_[s.stream - 1], 0), "cuStreamWaitEvent");
         break;
       case Matmul: {
         auto out = resolve(s.out, roles);

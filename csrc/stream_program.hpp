@@ -63,7 +63,7 @@ class StreamProgram {
   std::vector<Step> steps_;
   std::vector<LaunchPlan> launches_;
   std::vector<void*> sides_;
-  std::vector<void*> sideEvents_; // one per side stream, and the caller's last
+  std::vector<void*> events_; // one per side stream, then the caller's stream's
 };
 
 } // namespace tdist

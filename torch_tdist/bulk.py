@@ -116,14 +116,12 @@ class BulkPath:
         """Launch ``kernel`` on the main stream (recorded as ``("launch", kernel, compiled, grid,
         args, meta)`` while the streams record)."""
         compiled = self._launch(op, kernel, grid, *args, **meta)
-        if self.streams.recording is not None:
-            self.streams.recording.append(("launch", kernel, compiled, grid, args, meta))
+        self.streams.record("launch", kernel, compiled, grid, args, meta)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
         """``out = a @ b`` on the main stream (recorded as ``("mm", out, a, b)``)."""
         torch.mm(a, b, out=out)
-        if self.streams.recording is not None:
-            self.streams.recording.append(("mm", out, a, b))
+        self.streams.record("mm", out, a, b)
 
     def _start_barrier(self, op: str, signature: int, sides: int | None = None):
         """Every peer has finished its previous call and makes this one (the same

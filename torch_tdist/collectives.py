@@ -422,7 +422,8 @@ class Executor:
         """The call's launch as C++ can replay it for the next call of this shape (see
         ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params)``, each
         param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
-        address and LAUNCH_ROLE_PTR + 1 the output's. None when the call was not one plain launch on ``src`` and ``dst``."""
+        address and LAUNCH_ROLE_PTR + 1 the output's. None when the call was not one plain
+        launch on ``src`` and ``dst``."""
         if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
             return None
         (kernel, compiled, grid, args, meta), = self._launched
@@ -815,16 +816,24 @@ class Executor:
 
         program = []
         for kind, *step in steps:
-            if kind in ("copy", "zero", "write"):
-                stream, address, *rest = step
-                where = locate(address)
-                if kind == "copy":
-                    rest = [locate(rest[0]), rest[1]]
-                    if rest[0] is None:
-                        return None
-                program.append((kind, stream, where, *rest))
+            if kind == "copy":
+                stream, dst, src = step
+                where = (locate(dst.data_ptr()), locate(src.data_ptr()))
+                if None in where:
+                    return None
+                program.append((kind, stream, *where, src.numel() * src.element_size()))
+            elif kind == "zero":
+                stream, t = step
+                where = locate(t.data_ptr())
                 if where is None:
                     return None
+                program.append((kind, stream, where, t.numel()))
+            elif kind == "write":
+                stream, address, value = step
+                where = locate(address)
+                if where is None:
+                    return None
+                program.append((kind, stream, where, value))
             elif kind in ("fork", "join"):
                 program.append((kind, *step))
             elif kind == "mm":

@@ -148,11 +148,11 @@ def _fastest(group, device: torch.device, ways: dict) -> str:
     every rank, the ranks starting together; a way's time is its median round, the slowest
     rank's, so every rank picks the same. Another way replaces "sequential" only if it is
     OVERLAP_MARGIN faster (a wrong pick costs every later call)."""
-    names = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
-    rounds = {name: [] for name in names}
+    runnable = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
+    rounds = {name: [] for name in runnable}
     aligned = torch.zeros(1, device=device)
     for _ in range(TUNE_ROUNDS):
-        for name in names:
+        for name in runnable:
             dist.all_reduce(aligned, group=group)
             _synchronize()
             start = time.perf_counter()

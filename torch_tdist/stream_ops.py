@@ -8,10 +8,11 @@ On the CPU the same interface works where the stream is the calling thread: stor
 copies. Waits are not here: a stream held by ``cuStreamWaitValue64`` could not give up when a
 peer dies, so the bulk path waits with a kernel (``BulkPath._wait_for_peers``).
 
-While ``recording`` is a list, every step is also appended to it, with raw addresses, for C++ to
-replay (``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src,
-bytes)``, ``("zero", stream, address, int64s)``, ``("write", stream, address, value)``,
-``("fork", side)`` (the side stream after the main one), ``("join", side)`` (the reverse).
+While ``recording`` is a list, every step is also appended to it for C++ to replay
+(``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src)``,
+``("zero", stream, tensor)``, ``("write", stream, address, value)``,
+``("fork", side)`` (the side stream after the main one), ``("join", side)`` (the reverse); the
+bulk path adds its matmuls and launches (``BulkPath.matmul``, ``BulkPath._kernel``).
 """
 
 import ctypes
@@ -52,7 +53,8 @@ class Streams:
         """The side streams' native handles."""
         return [stream.cuda_stream for stream, _, _ in self._side]
 
-    def _record(self, *step):
+    def record(self, *step):
+        """Append ``step`` to ``recording`` while it is a list."""
         if self.recording is not None:
             self.recording.append(step)
 
@@ -70,14 +72,14 @@ class Streams:
         cu = _driver()
         _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
         for stream in sides:
-            self._record("fork", stream)
+            self.record("fork", stream)
             _check(cu.cuStreamWaitEvent(self._side[stream - 1][1], self._main_event, 0), "cuStreamWaitEvent")
 
     def join_one(self, stream: int):
         """Order the main stream after everything queued on side stream ``stream`` so far."""
         if self.on_cpu:
             return
-        self._record("join", stream)
+        self.record("join", stream)
         cu = _driver()
         _, handle, event = self._side[stream - 1]
         _check(cu.cuEventRecord(event, handle), "cuEventRecord")
@@ -96,7 +98,7 @@ class Streams:
         if self.on_cpu:
             dst.copy_(src)
             return
-        self._record("copy", stream, dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        self.record("copy", stream, dst, src)
         cu = _driver()
         _check(cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
                                 self._handle(stream)), "cuMemcpyAsync")
@@ -106,7 +108,7 @@ class Streams:
         if self.on_cpu:
             t.zero_()
             return
-        self._record("zero", stream, t.data_ptr(), t.numel())
+        self.record("zero", stream, t)
         cu = _driver()
         _check(cu.cuMemsetD32Async(t.data_ptr(), 0, 2 * t.numel(), self._handle(stream)), "cuMemsetD32Async")
 
@@ -116,7 +118,7 @@ class Streams:
         if self.on_cpu:
             ctypes.c_int64.from_address(address).value = value
             return
-        self._record("write", stream, address, value)
+        self.record("write", stream, address, value)
         cu = _driver()
         _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
 
