@@ -24,42 +24,43 @@ DIM, HEADS, HIDDEN = 32, 4, 64
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM, hidden=HIDDEN):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+        self.w1, self.w2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x):
         return self.w2(F.gelu(self.w1(x)))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM):
         super().__init__()
-        self.weight = nn.Parameter(torch.rand(DIM) + 0.5)
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5)
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM, heads=HEADS):
         super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, S, local heads * head dim]
         b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, DIM // HEADS).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM, hidden=HIDDEN):
         super().__init__()
-        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -68,10 +69,10 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """A llama-style transformer block: pre-norm attention and SwiGLU feed-forward."""
 
-    def __init__(self):
+    def __init__(self, dim=DIM, heads=HEADS, hidden=HIDDEN):
         super().__init__()
-        self.attention_norm, self.attention = RMSNorm(), Attention()
-        self.ffn_norm, self.feed_forward = RMSNorm(), FeedForward()
+        self.attention_norm, self.attention = RMSNorm(dim), Attention(dim, heads)
+        self.ffn_norm, self.feed_forward = RMSNorm(dim), FeedForward(dim, hidden)
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
@@ -93,13 +94,13 @@ def _plan(styles, model: str) -> dict:
             "feed_forward.w2": styles.RowwiseParallel(output_layouts=Shard(1))}
 
 
-def _mesh(group, name: str):
-    """A 1-D CPU mesh over ``group``. Meshes over the same ranks compare equal unless their
+def _mesh(group, name: str, device_type: str = "cpu"):
+    """A 1-D mesh over ``group``. Meshes over the same ranks compare equal unless their
     dimension names differ, whatever their groups, and DTensor's caches would mix them up: every
     mesh of these jobs has a name of its own."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=(name,))
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
 
 
 def _group(backend: str, env: dict | None = None):
@@ -119,7 +120,7 @@ def _step(module, x_local):
     x = x_local.clone().requires_grad_()
     out = module(x)
     out = out.to_local() if isinstance(out, DTensor) else out
-    weight = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+    weight = torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view(out.shape)
     (out * weight).sum().backward()
     grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
              for name, p in module.named_parameters()}

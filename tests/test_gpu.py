@@ -3,7 +3,7 @@ GPUs (float32 and bfloat16) and on 4 (every dtype); the nvshmem transport on 2 (
 symmetric memory started first) and on 4 (tdist first), with the NVSHMEM calls, the
 hierarchical all-gather and the MoE example; the bad-input matrix on CUDA tensors
 (tests/gpu_bad_input.py, 2 GPUs); and a rank killed in the middle of collectives
-(tests/gpu_dead_peer.py).
+(tests/gpu_dead_peer.py); DTensor styles and compiled async TP (tests/gpu_integrations.py).
 
 Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them:
 ``bash benchmarks/device_run.sh test``.
@@ -43,6 +43,21 @@ def test_gpu_checks_against_nccl(run):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
          "-m", "tests.gpu_checks"] + extra, cwd=root, env=env, timeout=900)
     assert proc.returncode == 0, f"GPU checks failed on {nproc} ranks ({transport}); their output is above"
+
+
+@pytest.mark.timeout(600)
+def test_gpu_integrations():
+    """torch_tdist.parallel's styles against torch's on NCCL, and a block compiled with
+    torch_tdist.async_tp.enable running tdist's fused ops (tests/gpu_integrations.py), bf16."""
+    nproc = min(torch.cuda.device_count(), 4)
+    if nproc < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": "cuda"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "tests.gpu_integrations"], cwd=root, env=env, timeout=600)
+    assert proc.returncode == 0, f"GPU integration checks failed on {nproc} ranks; their output is above"
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,162 @@
+"""torch_tdist.parallel and torch_tdist.async_tp on GPUs, bf16, one process per GPU.
+
+    torchrun --nproc-per-node 4 -m tests.gpu_integrations [--only NAME,...]
+
+Run by ``tests/test_gpu.py`` (pytest -m gpu) on the device. ``styles``: a llama-style block
+(attention and SwiGLU feed-forward, sequence parallel) with tdist's styles on a tdist mesh
+against torch's styles on an NCCL mesh. ``compiled``: the block with torch's styles, compiled by
+Inductor after ``async_tp.enable``, on a tdist mesh (tdist's overlapped ops must run the fused
+regions) and on an NCCL mesh with torch's symmetric memory (torch's kernels, tdist not called),
+each against the same model run eagerly. Relative errors (norm of the difference over the norm)
+<= 2e-2 in bf16. Prints one line per check and exits non-zero if any failed.
+"""
+
+import argparse
+import copy
+import os
+import time
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import torch_tdist  # noqa: E402
+from tests.gpu_checks import _tdist_group, report_and_exit  # noqa: E402
+from tests.jobs_parallel import Block, _mesh, _plan, _step  # noqa: E402
+
+DIM, HEADS, HIDDEN, BATCH, SEQ_PER_RANK = 1024, 8, 2816, 2, 256
+TOLERANCE = 2e-2
+
+_failures = []
+_checked = 0
+
+
+def _relative(name, got, want):
+    global _checked
+    _checked += 1
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if not err <= TOLERANCE:
+        _failures.append(f"{name}: relative error {err:.3g}")
+
+
+def _compare(label, got, want):
+    (got_out, got_dx, got_grads), (want_out, want_dx, want_grads) = got, want
+    _relative(f"{label} output", got_out, want_out)
+    _relative(f"{label} input gradient", got_dx, want_dx)
+    for name, grad in want_grads.items():
+        _relative(f"{label} gradient of {name}", got_grads[name], grad)
+
+
+def _block(device):
+    torch.manual_seed(7)  # the same weights on every rank (the styles shard them)
+    return Block(DIM, HEADS, HIDDEN).to(device=device, dtype=torch.bfloat16)
+
+
+def _input(rank, world, device, step):
+    gen = torch.Generator(device).manual_seed(100 + step)  # the same full input on every rank
+    x = torch.randn(BATCH, SEQ_PER_RANK * world, DIM, device=device, generator=gen, dtype=torch.bfloat16)
+    return x.chunk(world, dim=1)[rank].contiguous()
+
+
+def _counted(executor, before):
+    return {op: executor.fused_calls[op] - before.get(op, 0) for op in executor.fused_calls}
+
+
+def _clear_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def styles(rank, world, device):
+    from torch.distributed.tensor import parallel as torch_styles
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_tdist import parallel as tdist_styles
+
+    tg = _tdist_group({"TDIST_OVERLAP": "pipelined"})
+    reference, ours = _block(device), _block(device)
+    parallelize_module(reference, _mesh(dist.group.WORLD, "nccl styles", "cuda"), _plan(torch_styles, "block"))
+    parallelize_module(ours, _mesh(tg, "tdist styles", "cuda"), _plan(tdist_styles, "block"))
+    executor = torch_tdist.get_executor(tg)
+    for step in range(2):
+        x = _input(rank, world, device, step)
+        before = dict(executor.fused_calls)
+        want = _step(reference, x)
+        got = _step(ours, x)
+        _compare(f"styles step {step}", got, want)
+        counted = _counted(executor, before)
+        # forward: one gather each for q/k/v and w1/w3, one scatter each for wo and w2;
+        # backward: the other op each
+        if counted.get("all_gather_matmul") != 4 or counted.get("matmul_reduce_scatter") != 4:
+            _failures.append(f"styles step {step}: overlapped calls {counted}, expected 4 of each")
+        _clear_grads(reference)
+        _clear_grads(ours)
+
+
+def compiled(rank, world, device):
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    from torch.distributed.tensor import parallel as torch_styles
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torch_tdist import async_tp
+
+    tg = _tdist_group({"TDIST_OVERLAP": "pipelined"})
+    tdist_mesh = _mesh(tg, "tdist compiled", "cuda")
+    async_tp.enable(tdist_mesh)
+    enable_symm_mem_for_group(dist.group.WORLD.group_name)  # torch's async TP on the NCCL group
+    executor = torch_tdist.get_executor(tg)
+    for label, mesh in (("tdist", tdist_mesh), ("nccl", _mesh(dist.group.WORLD, "nccl compiled", "cuda"))):
+        eager = _block(device)
+        parallelize_module(eager, mesh, _plan(torch_styles, "block"))
+        fast = copy.deepcopy(eager)
+        fast.compile()
+        for step in range(2):
+            x = _input(rank, world, device, step)
+            want = _step(eager, x)
+            served, before = dict(async_tp.served), dict(executor.fused_calls)
+            got = _step(fast, x)
+            _compare(f"compiled {label} step {step}", got, want)
+            regions = {op: async_tp.served[op] - served.get(op, 0) for op in async_tp.served}
+            counted = _counted(executor, before)
+            if rank == 0 and step == 0:
+                print(f"compiled {label}: fused regions tdist ran {regions}, overlapped calls {counted}", flush=True)
+            if label == "tdist" and (regions.get("fused_all_gather_matmul", 0) < 2
+                                     or regions.get("fused_matmul_reduce_scatter", 0) < 2
+                                     or min(counted.get("all_gather_matmul", 0),
+                                            counted.get("matmul_reduce_scatter", 0)) < 2):
+                _failures.append(f"compiled tdist step {step}: fused regions {regions}, overlapped {counted}; "
+                                 f"expected 2 or more of each")
+            if label == "nccl" and (any(regions.values()) or any(counted.values())):
+                _failures.append(f"compiled nccl step {step}: tdist ran {regions} {counted}")
+            _clear_grads(eager)
+            _clear_grads(fast)
+
+
+CHECKS = [styles, compiled]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="comma-separated check names")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    wanted = set(filter(None, args.only.split(",")))
+    for check in CHECKS:
+        if wanted and check.__name__ not in wanted:
+            continue
+        before, start = len(_failures), time.perf_counter()
+        check(rank, world, device)
+        torch.cuda.synchronize()
+        status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"
+        print(f"rank {rank}: {check.__name__:<10} {status}  {time.perf_counter() - start:6.1f} s", flush=True)
+    report_and_exit(rank, _checked, _failures)
+
+
+if __name__ == "__main__":
+    main()

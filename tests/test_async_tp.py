@@ -1,0 +1,35 @@
+"""torch_tdist.async_tp on the CPU, one process per rank: after enable(), torch's symm_mem fused
+ops run tdist's ops for tdist groups (and only for them), and a sequence-parallel MLP compiled by
+Inductor with the micro-pipeline TP pass runs its collectives as tdist's overlapped ops, matching
+eager."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests import jobs_async_tp as J
+from tests.helpers import skip_on, ws_param
+
+pytestmark = skip_on("gloo", "torch_tdist.async_tp compares a tdist group with a Gloo one")
+
+
+@ws_param([2])
+def test_fused_ops_dispatch_tdist_groups(pool, seed):
+    pool.run(J.fused_ops_dispatch, seed, timeout=300)
+
+
+@ws_param([2])
+def test_compiled_mlp_runs_tdist_ops(pool, seed):
+    pool.run(J.compiled_mlp, seed, timeout=600)
+
+
+def test_import_changes_nothing():
+    """Importing torch_tdist (and its async_tp module) leaves Inductor's pass off and torch's
+    symm_mem kernels in place until enable() is called."""
+    code = ("import torch, torch_tdist, torch_tdist.async_tp as a, torch_tdist.parallel\n"
+            "assert not torch._inductor.config._micro_pipeline_tp\n"
+            "assert a._overrides is None\n"
+            "print('unchanged')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout + proc.stderr

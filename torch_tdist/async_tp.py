@@ -1,0 +1,136 @@
+"""torch.compile async tensor parallelism on tdist groups.
+
+Inductor's micro-pipeline TP pass (``torch._inductor.config._micro_pipeline_tp``) rewrites a
+group's all-gather followed by matmuls into ``torch.ops.symm_mem.fused_all_gather_matmul`` and a
+matmul followed by a reduce-scatter into ``torch.ops.symm_mem.fused_matmul_reduce_scatter``, for
+groups with symmetric memory enabled. ``enable(group_or_mesh)`` turns the pass on for a tdist
+group, and makes those two ops run tdist's (``torch.ops.tdist.all_gather_matmul`` /
+``matmul_reduce_scatter``) when their group is a tdist group::
+
+    import torch_tdist.async_tp
+    torch_tdist.async_tp.enable(tp_mesh)
+    model = torch.compile(model)
+
+Groups of other backends keep torch's kernels; importing this module changes nothing until
+``enable`` is called. ``served`` counts the fused regions tdist ran. Torch runs the pass only
+where it was built with NCCL (its GPU builds). Gathers along the last dimension and the fp8
+(scaled) forms are not overlapped by tdist: the first runs torch's sequential form on the tdist
+group, the second torch's symm_mem kernels.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm_mem
+from torch.distributed.device_mesh import DeviceMesh
+
+from .backend import is_tdist_group
+
+__all__ = ["enable", "served"]
+
+served = collections.Counter()  # symm_mem op name -> fused regions tdist's ops ran
+
+_OVERRIDDEN_KEYS = ("CUDA", "CPU")
+_overrides = None  # the torch.library.Library holding the kernels, once enable() made them
+_tdist_names: dict[str, bool] = {}  # group name -> whether it is a tdist group
+
+
+def enable(group_or_mesh=None) -> None:
+    """Async TP under torch.compile for a tdist group: a ProcessGroup, a 1-D DeviceMesh (the
+    TP mesh, ``mesh["tp"]`` of a larger one) or None (the default group). Turns Inductor's
+    micro-pipeline TP pass on, enables symmetric memory for the group (what the pass asks
+    before it fuses) and serves its fused regions with tdist's overlapped ops."""
+    group = _group(group_or_mesh)
+    if not is_tdist_group(group):
+        raise ValueError(f"torch_tdist.async_tp.enable: group {group.group_name!r} is served by "
+                         f"{dist.get_backend(group)!r}; expected a tdist group (init_process_group('tdist') "
+                         f"or a mesh/new_group of backend 'tdist')")
+    _override_fused_ops()
+    with warnings.catch_warnings():  # torch calls this deprecated, yet its pass still asks for it
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+
+
+def _group(group_or_mesh):
+    if isinstance(group_or_mesh, DeviceMesh):
+        if group_or_mesh.ndim != 1:
+            raise ValueError(f"torch_tdist.async_tp.enable: the mesh has {group_or_mesh.ndim} dimensions "
+                             f"{group_or_mesh.mesh_dim_names}; pass the TP one, e.g. mesh['tp']")
+        return group_or_mesh.get_group()
+    if group_or_mesh is None:
+        return dist.distributed_c10d._get_default_group()
+    if isinstance(group_or_mesh, dist.ProcessGroup):
+        return group_or_mesh
+    raise TypeError(f"torch_tdist.async_tp.enable: got {type(group_or_mesh).__name__}; expected a "
+                    f"ProcessGroup, a 1-D DeviceMesh or None")
+
+
+def _is_tdist(group_name: str) -> bool:
+    known = _tdist_names.get(group_name)
+    if known is None:
+        known = _tdist_names[group_name] = is_tdist_group(dist.distributed_c10d._resolve_process_group(group_name))
+    return known
+
+
+def _override_fused_ops():
+    """Registers kernels for the two symm_mem ops (once): tdist groups to tdist's ops, every
+    other group to torch's kernel (on the CPU torch has none)."""
+    global _overrides
+    if _overrides is not None:
+        return
+    library = torch.library.Library("symm_mem", "IMPL")
+    # (torch 2.11 refuses to replace a kernel registered from Python unless told to; 2.13 allows it)
+    override = {"allow_override": True} if "allow_override" in inspect.signature(library.impl).parameters else {}
+    with warnings.catch_warnings():  # torch warns that a kernel replaces another: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        for key in _OVERRIDDEN_KEYS:
+            library.impl("fused_all_gather_matmul", _kernel(key, _all_gather_matmul, "_fused_all_gather_matmul"),
+                         key, **override)
+            library.impl("fused_matmul_reduce_scatter",
+                         _kernel(key, _matmul_reduce_scatter, "_fused_matmul_reduce_scatter"), key, **override)
+    _overrides = library
+
+
+def _kernel(key: str, tdist_form, torch_kernel_name: str):
+    op = torch_kernel_name.lstrip("_")
+    torch_kernel = getattr(symm_mem, torch_kernel_name) if key == "CUDA" else None
+
+    def kernel(*args, **kwargs):
+        group_name = args[3] if op == "fused_all_gather_matmul" else args[4]
+        if _is_tdist(group_name):
+            served[op] += 1
+            return tdist_form(*args, **kwargs)
+        if torch_kernel is None:
+            raise NotImplementedError(f"symm_mem::{op} has no {key} kernel for group {group_name!r}: "
+                                      f"torch_tdist serves it there only for tdist groups")
+        return torch_kernel(*args, **kwargs)
+    return kernel
+
+
+def _all_gather_matmul(a_shard, bs, gather_dim, group_name, *, return_A=True):
+    if gather_dim % a_shard.dim() == a_shard.dim() - 1:
+        return symm_mem._fused_all_gather_matmul_fallback(a_shard, bs, gather_dim, group_name,
+                                                          return_A=return_A)
+    a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_A)
+    dim = gather_dim % a_shard.dim()
+    return (_gather_major(a_full, dim) if return_A else None), [_gather_major(o, dim) for o in outs]
+
+
+def _gather_major(t, dim: int):
+    """``t`` laid out as torch's kernel lays it out (what Inductor checks against torch's fake
+    kernel): ``dim`` outermost in memory. A copy only where that differs from tdist's layout
+    (row-major), that is when dimensions before ``dim`` have more than one element."""
+    moved = t.movedim(dim, 0)
+    return t if moved.is_contiguous() else moved.contiguous().movedim(0, dim)
+
+
+def _matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
+    if scatter_dim % a.dim() == a.dim() - 1:
+        return symm_mem._fused_matmul_reduce_scatter_fallback(a, b, reduce_op, scatter_dim, group_name)
+    return torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
