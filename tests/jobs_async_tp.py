@@ -37,7 +37,8 @@ def fused_ops_dispatch(rank, ws, seed):
     """symm_mem::fused_all_gather_matmul / fused_matmul_reduce_scatter on a tdist group after
     enable(): tdist's overlapped ops ran (counted) and the results match Gloo's collectives
     plus torch.matmul; a gather along the last dimension runs the sequential form; a Gloo group
-    gets torch's answer on the CPU (no kernel) and stays without symmetric memory."""
+    gets torch's answer on the CPU (no kernel) and stays without symmetric memory. The outputs
+    have the strides torch's kernels give, to those of dimensions of size 1."""
     from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
 
     from torch_tdist import async_tp
@@ -81,6 +82,26 @@ def fused_ops_dispatch(rank, ws, seed):
         overlapped = executor.fused_calls["matmul_reduce_scatter"] - fused
         chk.true(overlapped == (scatter_dim != 2), f"overlapped, scatter dim {scatter_dim}",
                  f"{overlapped} overlapped calls")
+
+    # layouts: what torch's own (sequential) kernels return, to the strides of dimensions of size 1,
+    # which torch.compile's guards compare (a sequence-parallel batch of 1 gathers along dim 1)
+    from torch.distributed import _symmetric_memory as torch_symm_mem
+    for batch in (1, 2):
+        a_shard = rand((batch, 2 * ws, DIM), torch.float32, rank_gen(seed, rank, 40 + batch))
+        bs = [rand((DIM, 8), torch.float32, shared_gen(seed, 50))]
+        want_a, want = torch_symm_mem._fused_all_gather_matmul_fallback(a_shard, bs, 1, name, return_A=True)
+        got_a, got = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, 1, name, return_A=True)
+        chk.true(got_a.stride() == want_a.stride() and got[0].stride() == want[0].stride(),
+                 f"gather layout, batch {batch}", f"{got_a.stride()} {got[0].stride()}, torch's "
+                 f"{want_a.stride()} {want[0].stride()}")
+        chk.close(got[0], want[0], f"gather values, batch {batch}")
+        a = rand((batch, 2 * ws, DIM), torch.float32, rank_gen(seed, rank, 60 + batch))
+        want = torch_symm_mem._fused_matmul_reduce_scatter_fallback(a, bs[0], "sum", 1, name)
+        got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bs[0], "sum", 1, name)
+        plain = torch.ops.tdist.matmul_reduce_scatter(a, bs[0], name, 1, "sum")
+        chk.true(got.stride() == want.stride() == plain.stride() == torch.empty(want.shape).stride(),
+                 f"scatter layout, batch {batch}", f"{got.stride()} and tdist's {plain.stride()}, torch's {want.stride()}")
+        chk.close(got, want, f"scatter values, batch {batch}")
 
     try:
         torch.ops.symm_mem.fused_matmul_reduce_scatter(b.new_ones(4, 4), b.new_ones(4, 4), "sum", 0,

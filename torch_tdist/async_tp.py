@@ -118,19 +118,49 @@ def _all_gather_matmul(a_shard, bs, gather_dim, group_name, *, return_A=True):
         return symm_mem._fused_all_gather_matmul_fallback(a_shard, bs, gather_dim, group_name,
                                                           return_A=return_A)
     a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_A)
-    dim = gather_dim % a_shard.dim()
-    return (_gather_major(a_full, dim) if return_A else None), [_gather_major(o, dim) for o in outs]
-
-
-def _gather_major(t, dim: int):
-    """``t`` laid out as torch's kernel lays it out (what Inductor checks against torch's fake
-    kernel): ``dim`` outermost in memory. A copy only where that differs from tdist's layout
-    (row-major), that is when dimensions before ``dim`` have more than one element."""
-    moved = t.movedim(dim, 0)
-    return t if moved.is_contiguous() else moved.contiguous().movedim(0, dim)
+    want_a, want_outs = _torch_layout("fused_all_gather_matmul", a_shard, bs, gather_dim, group_name)
+    return (_laid_out(a_full, want_a) if return_A else None), [_laid_out(o, w) for o, w in zip(outs, want_outs)]
 
 
 def _matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
     if scatter_dim % a.dim() == a.dim() - 1:
         return symm_mem._fused_matmul_reduce_scatter_fallback(a, b, reduce_op, scatter_dim, group_name)
-    return torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
+    out = torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
+    return _laid_out(out, _torch_layout("fused_matmul_reduce_scatter", a, b, reduce_op, scatter_dim, group_name))
+
+
+_layouts: dict[tuple, object] = {}  # a call's shapes and arguments -> its outputs' strides in torch's kernel
+
+
+def _torch_layout(op: str, *args):
+    """The strides of ``op``'s outputs as torch's fake kernel gives them (what Inductor planned
+    for, and what torch's kernel returns), from that kernel run on meta tensors."""
+    def described(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.stride(), x.dtype)
+        return tuple(map(described, x)) if isinstance(x, (list, tuple)) else x
+
+    key = (op, described(args))
+    strides = _layouts.get(key)
+    if strides is None:
+        def meta(x):
+            if isinstance(x, torch.Tensor):
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            return [meta(y) for y in x] if isinstance(x, (list, tuple)) else x
+        result = getattr(torch.ops.symm_mem, op)(*map(meta, args))
+        if op == "fused_all_gather_matmul":
+            strides = (result[0].stride(), [t.stride() for t in result[1]])
+        else:
+            strides = result.stride()
+        strides = _layouts[key] = strides
+    return strides
+
+
+def _laid_out(t: torch.Tensor, strides) -> torch.Tensor:
+    """``t`` with ``strides``: a view where only dimensions of size 1 differ (they address
+    nothing), a copy otherwise (a gather along a dimension that is not the outermost)."""
+    if t.stride() == tuple(strides):
+        return t
+    if all(have == want for size, have, want in zip(t.shape, t.stride(), strides) if size > 1):
+        return t.as_strided(t.shape, strides)
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)

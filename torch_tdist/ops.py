@@ -182,18 +182,31 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` contiguous, with the strides of a new tensor (the fake kernels'): a contiguous view
+    may carry other strides on dimensions of size 1, and torch.compile's guards tell them apart
+    (a compiled region fed such a tensor recompiles with dynamic strides)."""
+    t = t.contiguous()
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides.reverse()
+    return t if list(t.stride()) == strides else t.as_strided(t.shape, strides)
+
+
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((group.size() * rows.shape[0], *rows.shape[1:]))
     _all_gather_single(out, rows, group=group)
-    return out.movedim(0, dim).contiguous()  # (the fake kernels' strides)
+    return _row_major(out.movedim(0, dim))
 
 
 def _reduce_scatter(x: Tensor, dim: int, reduce_op: str, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((rows.shape[0] // group.size(), *rows.shape[1:]))
     _reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
-    return out.movedim(0, dim).contiguous()  # (the fake kernels' strides)
+    return _row_major(out.movedim(0, dim))
 
 
 # ---- tdist::all_gather_matmul --------------------------------------------------------------
@@ -231,9 +244,8 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
     lead = (world * moved.shape[0], *moved.shape[1:-1])
     widths = [w.shape[1] for w in bs]
     outs = [out] if len(bs) == 1 else [part for part in out.split(widths, dim=1)]
-    # (contiguous: the fake kernels' strides)
-    return (a_full.view(*lead, k).movedim(0, dim).contiguous(),
-            [o.reshape(*lead, w).movedim(0, dim).contiguous() for o, w in zip(outs, widths)])
+    return (_row_major(a_full.view(*lead, k).movedim(0, dim)),
+            [_row_major(o.reshape(*lead, w).movedim(0, dim)) for o, w in zip(outs, widths)])
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:
@@ -298,8 +310,7 @@ def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: st
     run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
     if not run(rows, b, out, reduce_op, setting):
         return None
-    # (contiguous: the fake kernels' strides)
-    return out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim).contiguous()
+    return _row_major(out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim))
 
 
 def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
