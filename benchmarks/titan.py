@@ -17,14 +17,15 @@ them: the ranks print the counts); the loss of every step must agree within LOSS
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.metadata
 import os
 import re
 import statistics
 import subprocess
 import sys
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from timing import versions, write_result  # (importing it sets the safety variables the jobs inherit)
+
 WARMUP = 5
 LOSS_TOLERANCE = 1e-2
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
@@ -47,7 +48,7 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
                "--debug.seed", "42", "--comm.trace_buf_size", "0", "--job.dump_folder", f"/tmp/titan_{backend}",
                "--parallelism.enable_async_tensor_parallel" if async_tp else "--parallelism.no-enable_async_tensor_parallel",
                *flags]
-    full_env = {**os.environ, **SAFE_ENV, "TDIST_TITAN_STATS": "1", **(env or {})}
+    full_env = {**os.environ, "TDIST_TITAN_STATS": "1", **(env or {})}
     with open(log_path, "w") as log:
         code = subprocess.run(command, env=full_env, stdout=log, stderr=subprocess.STDOUT, timeout=560).returncode
     steps, stats = {}, None
@@ -61,28 +62,8 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
     return steps, stats, code
 
 
-def _machine(nproc: int) -> str:
-    import torch
-
-    return os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{nproc}".replace(" ", "_"))
-
-
 def _versions() -> dict:
-    import importlib.metadata as metadata
-
-    import torch
-    import triton
-
-    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "torchtitan": metadata.version("torchtitan"), "tdist": metadata.version("torch-tdist")}
-
-
-def _write(out: str, kind: str, nproc: int, result: dict):
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{kind}_{_machine(nproc)}.json")
-    with open(path, "w") as f:
-        json.dump({"machine": _machine(nproc), "versions": _versions(), **result}, f, indent=1)
-    print("wrote", path, flush=True)
+    return {**versions(), "torchtitan": importlib.metadata.version("torchtitan")}
 
 
 def bench(args):
@@ -113,11 +94,10 @@ def bench(args):
                 ratios[f"tdist_async_tp_over_{base}"] = round(
                     by_name["tdist_async_tp"]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
     print("ratios", ratios, flush=True)
-    _write(args.out, "titan", args.nproc, {
-        "method": f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, bf16, "
-                  f"compiled, {args.steps} steps; tokens/s of the TP group = seq / median step time over steps "
-                  f"after {WARMUP}; configurations run one after another in one device call",
-        "ratios": ratios, "rows": rows})
+    write_result(args.out, "titan", args.nproc, rows=rows, versions=_versions(), ratios=ratios,
+                 method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
+                         f"bf16, compiled, {args.steps} steps; tokens/s of the TP group = seq / median step time "
+                         f"over steps after {WARMUP}; configurations run one after another in one device call"))
 
 
 def loss(args):
@@ -138,11 +118,10 @@ def loss(args):
     ok = not nccl_code and not tdist_code and len(steps) == args.steps and worst <= LOSS_TOLERANCE
     print(f"loss curves: {len(steps)} steps compared, largest relative difference {worst:.3g} "
           f"(tolerance {LOSS_TOLERANCE}): {'match' if ok else 'MISMATCH'}", flush=True)
-    _write(args.out, "titan_loss", args.nproc, {
-        "method": f"torchtitan 0.2.2 llama3 debugmodel, TP={args.nproc}, compile + async TP, seed 42, "
-                  f"deterministic, {args.steps} steps, NCCL then tdist (TDIST_OVERLAP=pipelined)",
-        "largest_relative_difference": worst, "tolerance": LOSS_TOLERANCE, "match": ok, "tdist_stats": stats,
-        "rows": rows})
+    write_result(args.out, "titan_loss", args.nproc, rows=rows, versions=_versions(),
+                 largest_relative_difference=worst, tolerance=LOSS_TOLERANCE, match=ok, tdist_stats=stats,
+                 method=(f"torchtitan 0.2.2 llama3 debugmodel, TP={args.nproc}, compile + async TP, seed 42, "
+                         f"deterministic, {args.steps} steps, NCCL then tdist (TDIST_OVERLAP=pipelined)"))
     sys.exit(0 if ok else 1)
 
 

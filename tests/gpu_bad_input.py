@@ -15,9 +15,7 @@ import os
 import sys
 import time
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-multicast safety variables)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

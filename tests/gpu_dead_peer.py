@@ -16,9 +16,8 @@ import sys
 import time
 from datetime import timedelta
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", "TDIST_GPU_SIZE_LIMITS": "0"}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("TDIST_GPU_SIZE_LIMITS", "0")
+import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-multicast safety variables)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -16,38 +16,26 @@ import copy
 import os
 import time
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-multicast safety variables)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from tests.gpu_checks import _tdist_group, report_and_exit  # noqa: E402
+from tests import gpu_checks  # noqa: E402
+from tests.gpu_checks import _failures, _relative, _tdist_group, report_and_exit  # noqa: E402
 from tests.jobs_parallel import Block, _mesh, _plan, _step  # noqa: E402
 
 DIM, HEADS, HIDDEN, BATCH, SEQ_PER_RANK = 1024, 8, 2816, 2, 256
 TOLERANCE = 2e-2
 
-_failures = []
-_checked = 0
-
-
-def _relative(name, got, want):
-    global _checked
-    _checked += 1
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    if not err <= TOLERANCE:
-        _failures.append(f"{name}: relative error {err:.3g}")
-
 
 def _compare(label, got, want):
     (got_out, got_dx, got_grads), (want_out, want_dx, want_grads) = got, want
-    _relative(f"{label} output", got_out, want_out)
-    _relative(f"{label} input gradient", got_dx, want_dx)
+    _relative(f"{label} output", got_out, want_out, TOLERANCE)
+    _relative(f"{label} input gradient", got_dx, want_dx, TOLERANCE)
     for name, grad in want_grads.items():
-        _relative(f"{label} gradient of {name}", got_grads[name], grad)
+        _relative(f"{label} gradient of {name}", got_grads[name], grad, TOLERANCE)
 
 
 def _block(device):
@@ -155,7 +143,7 @@ def main():
         torch.cuda.synchronize()
         status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"
         print(f"rank {rank}: {check.__name__:<10} {status}  {time.perf_counter() - start:6.1f} s", flush=True)
-    report_and_exit(rank, _checked, _failures)
+    report_and_exit(rank, gpu_checks._checked, _failures)  # (_relative counts there)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from torch_tdist.launch import SAFE_ENV
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+pytestmark = pytest.mark.gpu
 
 
 RUNS = {  # id: (ranks, transport, extra arguments)

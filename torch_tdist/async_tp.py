@@ -30,6 +30,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import is_tdist_group
+from .ops import with_strides
 
 __all__ = ["enable", "served"]
 
@@ -119,14 +120,15 @@ def _all_gather_matmul(a_shard, bs, gather_dim, group_name, *, return_A=True):
                                                           return_A=return_A)
     a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_A)
     want_a, want_outs = _torch_layout("fused_all_gather_matmul", a_shard, bs, gather_dim, group_name)
-    return (_laid_out(a_full, want_a) if return_A else None), [_laid_out(o, w) for o, w in zip(outs, want_outs)]
+    outs = [with_strides(o, w) for o, w in zip(outs, want_outs)]
+    return (with_strides(a_full, want_a) if return_A else None), outs
 
 
 def _matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
     if scatter_dim % a.dim() == a.dim() - 1:
         return symm_mem._fused_matmul_reduce_scatter_fallback(a, b, reduce_op, scatter_dim, group_name)
     out = torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
-    return _laid_out(out, _torch_layout("fused_matmul_reduce_scatter", a, b, reduce_op, scatter_dim, group_name))
+    return with_strides(out, _torch_layout("fused_matmul_reduce_scatter", a, b, reduce_op, scatter_dim, group_name))
 
 
 _layouts: dict[tuple, object] = {}  # a call's shapes and arguments -> its outputs' strides in torch's kernel
@@ -154,13 +156,3 @@ def _torch_layout(op: str, *args):
             strides = result.stride()
         strides = _layouts[key] = strides
     return strides
-
-
-def _laid_out(t: torch.Tensor, strides) -> torch.Tensor:
-    """``t`` with ``strides``: a view where only dimensions of size 1 differ (they address
-    nothing), a copy otherwise (a gather along a dimension that is not the outermost)."""
-    if t.stride() == tuple(strides):
-        return t
-    if all(have == want for size, have, want in zip(t.shape, t.stride(), strides) if size > 1):
-        return t.as_strided(t.shape, strides)
-    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)

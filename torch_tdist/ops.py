@@ -183,16 +183,24 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _row_major(t: Tensor) -> Tensor:
-    """``t`` contiguous, with the strides of a new tensor (the fake kernels'): a contiguous view
-    may carry other strides on dimensions of size 1, and torch.compile's guards tell them apart
-    (a compiled region fed such a tensor recompiles with dynamic strides)."""
-    t = t.contiguous()
+    """``t`` laid out as a new tensor of its shape (the fake kernels' layout)."""
     strides, step = [], 1
     for size in reversed(t.shape):
         strides.append(step)
         step *= max(size, 1)
-    strides.reverse()
-    return t if list(t.stride()) == strides else t.as_strided(t.shape, strides)
+    return with_strides(t, strides[::-1])
+
+
+def with_strides(t: Tensor, strides) -> Tensor:
+    """``t`` with exactly ``strides``: a view where only dimensions of size 1 differ (they address
+    nothing, yet torch.compile's guards tell them apart: a compiled region fed such a tensor
+    recompiles with dynamic strides), a copy otherwise."""
+    strides = tuple(strides)
+    if t.stride() == strides:
+        return t
+    if all(have == want for size, have, want in zip(t.shape, t.stride(), strides) if size > 1):
+        return t.as_strided(t.shape, strides)
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from . import launch  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
 
 BACKENDS = ("tdist", "nccl")
 TOKENIZER_VOCAB = 2000
