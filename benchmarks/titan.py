@@ -2,6 +2,7 @@
 
     python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 20] [--out DIR]
     python3 benchmarks/titan.py loss  [--nproc 4] [--steps 50] [--out DIR]
+    python3 benchmarks/titan.py profile [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--only nccl,...] [--out DIR]
 
 bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, three
 configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist with
@@ -17,7 +18,10 @@ them: the ranks print the counts); the loss of every step must agree within LOSS
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import importlib.metadata
+import json
 import os
 import re
 import statistics
@@ -62,6 +66,11 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
     return steps, stats, code
 
 
+def _tdist_env(args, backend: str) -> dict:
+    """The --tdist-env settings (K=V), for tdist's runs only."""
+    return dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {}
+
+
 def _versions() -> dict:
     return {**versions(), "torchtitan": importlib.metadata.version("torchtitan")}
 
@@ -74,7 +83,8 @@ def bench(args):
     for name, (backend, async_tp) in BENCH_CONFIGS.items():
         if args.only and name not in args.only.split(","):
             continue
-        steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, os.path.join(args.out, f"titan_{name}.log"))
+        steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, os.path.join(args.out, f"titan_{name}.log"),
+                                       _tdist_env(args, backend))
         timed = [tps for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
         if code or not timed:
             print(f"{name}: exit code {code}, {len(steps)} steps logged; see titan_{name}.log", flush=True)
@@ -82,7 +92,8 @@ def bench(args):
             continue
         per_device = statistics.median(timed)  # torchtitan's tps: tokens / (step time x TP degree)
         step_ms = 1e3 * args.seq / (per_device * args.nproc)
-        row = {"config": name, "tokens_per_s": round(args.seq / step_ms * 1e3, 1), "step_ms": round(step_ms, 1),
+        row = {"config": name, "env": _tdist_env(args, backend), "tokens_per_s": round(args.seq / step_ms * 1e3, 1),
+               "step_ms": round(step_ms, 1),
                "final_loss": steps[max(steps)][0], "steps_timed": len(timed), "tdist_stats": stats}
         rows.append(row)
         print(row, flush=True)
@@ -125,19 +136,152 @@ def loss(args):
     sys.exit(0 if ok else 1)
 
 
+def profile(args):
+    """Where a step's GPU time goes, per configuration: torchtitan's profiler traces step
+    PROFILED_STEP; rank 0's kernels and copies are summed by kind, and the time communication
+    runs with no computation beside it (exposed) bounds what overlapping can gain:
+    span / (span - exposed)."""
+    flags = ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq), "--training.local_batch_size", "1",
+             "--training.steps", str(PROFILED_STEP), "--training.dtype", "bfloat16", "--optimizer.lr", "1e-4",
+             "--lr_scheduler.warmup_steps", "2", "--profiling.enable_profiling",
+             "--profiling.profile_freq", str(PROFILED_STEP)]
+    rows = []
+    for name, (backend, async_tp) in BENCH_CONFIGS.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        folder = f"/tmp/titan_{backend}"
+        subprocess.run(["rm", "-rf", os.path.join(folder, "profile_traces")])
+        steps, stats, code = run_titan(backend, async_tp, flags, args.nproc,
+                                       os.path.join(args.out, f"titan_profile_{name}.log"), _tdist_env(args, backend))
+        traces = sorted(glob.glob(os.path.join(folder, "profile_traces", "iteration_*", "rank*_trace.json")))
+        if code or not traces:
+            rows.append({"config": name, "error": f"exit code {code}, {len(traces)} traces"})
+            print(rows[-1], flush=True)
+            continue
+        rows.append({"config": name, "env": _tdist_env(args, backend), **kernel_breakdown(traces), "tdist_stats": stats})
+        print({k: v for k, v in rows[-1].items() if k not in ("top", "comm_calls_us")}, flush=True)
+    write_result(args.out, "titan_profile", args.nproc, rows=rows, versions=_versions(),
+                 method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
+                         f"bf16, compiled; torch profiler trace of step {PROFILED_STEP}, rank 0's CUDA kernels"))
+
+
+PROFILED_STEP = 10
+
+
+COMM_KINDS = ("nccl", "tdist", "copy")
+
+
+def kernel_breakdown(trace_paths: list[str]) -> dict:
+    """GPU time of one profiled step from the ranks' chrome traces (rank 0's first): the span
+    from rank 0's first kernel or copy to its last, time by kind, the communication time no
+    computation overlaps (exposed), and, communication kernel by kernel (NCCL's and tdist's, in
+    order), the part rank 0 spent waiting for the last rank to launch the same call (skew, not
+    transfer)."""
+    def load(path):
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
+        return events, [(e["ts"], e["ts"] + e["dur"], e["name"], e.get("cat")) for e in events
+                        if e.get("cat") in ("kernel", "gpu_memcpy")]
+
+    loaded = [load(p) for p in trace_paths]
+    ranks = [gpu for _, gpu in loaded]
+    host = collections.defaultdict(list)  # rank 0's host calls that wait for the GPU, and tdist's and c10d's ops
+    for e in loaded[0][0]:
+        name = e["name"]
+        if (e.get("cat") == "cuda_runtime" and ("Synchronize" in name or name in ("cudaMemcpy", "cudaFree"))) \
+                or (e.get("cat") == "cpu_op" and any(k in name for k in ("tdist", "symm_mem", "c10d"))):
+            host[name[:60]].append(e["dur"])
+    work = ranks[0]
+    if not work:
+        return {"error": "no kernels in the trace"}
+
+    def union(intervals):
+        merged = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged
+
+    def covered(intervals):
+        return sum(end - start for start, end in intervals)
+
+    def overlap(a, b):  # time both unions cover
+        i = j = total = 0
+        while i < len(a) and j < len(b):
+            total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+            if a[i][1] < b[j][1]:
+                i += 1
+            else:
+                j += 1
+        return total
+
+    def kind(name, cat):
+        low = name.lower()
+        if cat == "gpu_memcpy":
+            return "copy"
+        if "nccl" in low:
+            return "nccl"
+        if any(k in low for k in ("oneshot_kernel", "wait_peers", "reduce_chunks", "_signal", "overlap")):
+            return "tdist"
+        if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "_mm_")):
+            return "matmul"
+        if "flash" in low or "fmha" in low or "attention" in low:
+            return "attention"
+        return "other"
+
+    by_kind, by_name = collections.Counter(), collections.defaultdict(list)
+    for start, end, name, cat in work:
+        by_kind[kind(name, cat)] += end - start
+        by_name[name[:90]].append(end - start)
+    comm = union([(s, e) for s, e, n, c in work if kind(n, c) in COMM_KINDS])
+    rest = union([(s, e) for s, e, n, c in work if kind(n, c) not in COMM_KINDS])
+    span = max(e for _, e, _, _ in work) - min(s for s, _, _, _ in work)
+    exposed = covered(comm) - overlap(comm, rest)
+    # the n-th call of a communication kernel on every rank is the same collective: rank 0 waited
+    # from its own start to the last rank's
+    calls = []
+    by_rank = [[(s, e, n) for s, e, n, c in r if kind(n, c) in ("nccl", "tdist")] for r in ranks]
+    for name in sorted({n for _, _, n in by_rank[0]}):
+        series = [[(s, e) for s, e, n in r if n == name] for r in by_rank]
+        if len({len(x) for x in series}) != 1:
+            continue
+        for i, (start, end) in enumerate(series[0]):
+            wait = max(0, max(x[i][0] for x in series) - start) if len(series) > 1 else 0
+            calls.append((start, name[:40], round(end - start, 1), round(min(wait, end - start), 1)))
+    calls.sort()
+    waited = sum(wait for _, _, _, wait in calls)
+    ms = lambda us: round(us / 1e3, 2)  # noqa: E731
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:15]
+    return {"span_ms": ms(span), "busy_ms": ms(covered(union([(s, e) for s, e, _, _ in work]))),
+            "kind_ms": {k: ms(v) for k, v in by_kind.most_common()},
+            "comm_ms": ms(covered(comm)), "exposed_comm_ms": ms(exposed),
+            "overlap_bound_speedup": round(span / max(span - exposed, 1e-9), 3),
+            "comm_waiting_for_last_rank_ms": ms(waited),
+            "comm_transfer_ms": ms(sum(d for _, _, d, _ in calls) - waited),
+            "comm_calls_us": [[name, dur, wait] for _, name, dur, wait in calls],
+            "host_ms": {name: {"ms": ms(sum(d)), "calls": len(d), "median_us": round(statistics.median(d), 1)}
+                        for name, d in sorted(host.items(), key=lambda item: -sum(item[1]))[:15]},
+            "top": {name: {"ms": ms(sum(d)), "calls": len(d), "median_us": round(statistics.median(d), 1)}
+                    for name, d in top}}
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("bench", "loss"))
+    parser.add_argument("mode", choices=("bench", "loss", "profile"))
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--flavor", default="8B_4L")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--only", default="", help="bench: comma-separated configurations")
+    parser.add_argument("--only", default="", help="bench, profile: comma-separated configurations")
+    parser.add_argument("--tdist-env", action="append", default=[], metavar="K=V",
+                        help="bench, profile: an environment variable for the tdist runs (e.g. TDIST_OVERLAP=sequential)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     args.steps = args.steps or (20 if args.mode == "bench" else 50)
     os.makedirs(args.out, exist_ok=True)
-    (bench if args.mode == "bench" else loss)(args)
+    {"bench": bench, "loss": loss, "profile": profile}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def fused_ops_dispatch(rank, ws, seed):
     chk.done()
 
 
-def compiled_mlp(rank, ws, seed):
+def compiled_mlp(rank, ws, seed, batch):
     """A sequence-parallel SwiGLU feed-forward (no biases: the pass fuses matmuls, not addmm)
     with torch's styles on a tdist mesh, compiled by Inductor after enable(): the forward's
     gather (shared by w1 and w3) and scatter (w2), the backward's gather (w2's output gradient)
@@ -141,7 +141,7 @@ def compiled_mlp(rank, ws, seed):
     compiled = copy.deepcopy(eager)
     compiled.compile()
     executor = torch_tdist.get_executor(tdist_group)
-    x_full = rand((2, 4 * ws, DIM), torch.float32, shared_gen(seed, 1))
+    x_full = rand((batch, 4 * ws, DIM), torch.float32, shared_gen(seed, 1))
     x_local = x_full.chunk(ws, dim=1)[rank].contiguous()
     want_out, want_dx, want_grads = _step(eager, x_local)
     served, fused = dict(async_tp.served), dict(executor.fused_calls)

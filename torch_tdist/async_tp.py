@@ -12,7 +12,9 @@ group, and makes those two ops run tdist's (``torch.ops.tdist.all_gather_matmul`
     model = torch.compile(model)
 
 Groups of other backends keep torch's kernels; importing this module changes nothing until
-``enable`` is called. ``served`` counts the fused regions tdist ran. Torch runs the pass only
+``enable`` is called. ``served`` counts the fused regions tdist ran. ``enable`` also adds one
+Inductor pass of its own (``_RestoreGatherDims``) so that a batch-1 sequence-parallel gather of a
+tdist group is recognised by the micro-pipeline pass. Torch runs the pass only
 where it was built with NCCL (its GPU builds). Gathers along the last dimension and the fp8
 (scaled) forms are not overlapped by tdist: the first runs torch's sequential form on the tdist
 group, the second torch's symm_mem kernels.
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import inspect
+import operator
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,6 +60,7 @@ def enable(group_or_mesh=None) -> None:
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group.group_name)
     torch._inductor.config._micro_pipeline_tp = True
+    _install_gather_pass()
 
 
 def _group(group_or_mesh):
@@ -156,3 +161,78 @@ def _torch_layout(op: str, *args):
             strides = result.stride()
         strides = _layouts[key] = strides
     return strides
+
+
+class _RestoreGatherDims(CustomGraphPass):
+    """Post-grad pre-pass: a gather along dim d > 0 whose leading dimensions are all 1 (a
+    sequence-parallel batch of 1) reaches Inductor as a reshape of the dim-0 gather (funcol
+    returns a view where no copy is needed), a form the micro-pipeline pass does not take for an
+    all-gather. For tdist groups whose gathered tensor feeds a matmul, this spells the reshape
+    the way funcol spells every other gather along d, cat(split(gathered)), so the pass fuses it
+    (the fused op then gathers straight into place: the cat is never run)."""
+
+    def __init__(self, before=()):
+        self.before = tuple(before)  # the pre-passes installed before enable(), run first
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for earlier in self.before:
+            earlier(graph)
+        c10d = torch.ops._c10d_functional
+        for wait in list(graph.nodes):
+            gather = wait.args[0] if wait.target is c10d.wait_tensor.default else None
+            if not (isinstance(gather, torch.fx.Node) and gather.target is c10d.all_gather_into_tensor.default):
+                continue
+            group_name = gather.kwargs.get("group_name", gather.args[2] if len(gather.args) > 2 else None)
+            if group_name is None or not symm_mem.is_symm_mem_enabled_for_group(group_name) \
+                    or not _is_tdist(group_name):
+                continue
+            shard, world = gather.args[0].meta["val"], gather.args[1]
+            for reshape in list(wait.users):
+                dim = _reshaped_gather_dim(reshape, shard.shape, world)
+                if dim is not None and _feeds_matmul(reshape):
+                    with graph.inserting_before(reshape):
+                        # (dim 0 left unsaid, as funcol's chunk says it and the pass's pattern expects)
+                        split = graph.call_function(torch.ops.aten.split.Tensor, (wait, shard.shape[0]))
+                        split.meta["val"] = torch.ops.aten.split.Tensor(wait.meta["val"], shard.shape[0])
+                        parts = []
+                        for i in range(world):
+                            parts.append(graph.call_function(operator.getitem, (split, i)))
+                            parts[-1].meta["val"] = split.meta["val"][i]
+                        cat = graph.call_function(torch.ops.aten.cat.default, (parts, dim))
+                        cat.meta["val"] = torch.ops.aten.cat.default([p.meta["val"] for p in parts], dim)
+                    reshape.replace_all_uses_with(cat)
+                    graph.erase_node(reshape)
+
+    def uuid(self):
+        earlier = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.before]
+        return None if None in earlier else (get_hash_for_files((__file__,)), *earlier)  # None: no caching
+
+
+def _reshaped_gather_dim(node, shard_shape, world: int) -> int | None:
+    """d when ``node`` reshapes a dim-0 gather of ``shard_shape`` into its gather along d > 0
+    (not the last: the pass leaves those unfused), the leading dimensions being 1; else None."""
+    if node.target is not torch.ops.aten.reshape.default:
+        return None
+    shape = tuple(node.meta["val"].shape)
+    for dim in range(1, len(shard_shape) - 1):
+        if any(size != 1 for size in shard_shape[:dim]):
+            break
+        if shape == (*shard_shape[:dim], shard_shape[dim] * world, *shard_shape[dim + 1:]):
+            return dim
+    return None
+
+
+def _feeds_matmul(node) -> bool:
+    """Whether ``node``, reshaped to 2-D, is the left operand of an mm (the pass's N-D matmul)."""
+    return any(user.target is torch.ops.aten.reshape.default
+               and any(u.target is torch.ops.aten.mm.default and u.args[0] is user for u in user.users)
+               for user in node.users)
+
+
+def _install_gather_pass():
+    """Adds _RestoreGatherDims to Inductor's post-grad pre-passes, after any already there."""
+    config = torch._inductor.config
+    present = config.post_grad_custom_pre_pass
+    if not isinstance(present, _RestoreGatherDims):
+        before = present if isinstance(present, (list, tuple)) else [present] if present is not None else []
+        config.post_grad_custom_pre_pass = _RestoreGatherDims(before)
