@@ -1,18 +1,26 @@
 """torchtitan (0.2.2) on 4 GPUs through torch_tdist.titan: tdist against NCCL, one torchrun each.
 
-    python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 20] [--out DIR]
+    python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 40] [--out DIR]
     python3 benchmarks/titan.py loss  [--nproc 4] [--steps 50] [--out DIR]
     python3 benchmarks/titan.py profile [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--only nccl,...] [--out DIR]
 
-bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, three
-configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist with
-async TP. Tokens/s is the TP group's (tokens of a step over the step's time), the median over the
-steps after the first WARMUP (compiling, tuning); writes ``titan_<machine>.json``.
+bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, the
+configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist
+without and with async TP. Tokens/s is the TP group's (tokens of a step over the step's time),
+the median over torchtitan's log windows (BENCH_LOG_FREQ steps, its default: it syncs the host
+at each logged step) after the first WARMUP steps (compiling, tuning); writes
+``titan_<machine>.json``.
 
 loss: the llama3 debug model, TP over every GPU, compile + async TP, the same seed, on NCCL and on
 tdist (its overlapped ops forced, TDIST_OVERLAP=pipelined, so the fused regions provably run
 them: the ranks print the counts); the loss of every step must agree within LOSS_TOLERANCE
 (relative); writes ``titan_loss_<machine>.json``. Exits non-zero if they do not.
+
+profile: the bench's model, each configuration's step PROFILED_STEP under torch's profiler, broken
+down from the ranks' traces (``kernel_breakdown``): where rank 0's GPU time goes, how much of its
+communication no computation overlaps, and how much of that is waiting for the last rank rather
+than moving data; writes ``titan_profile_<machine>.json``. (The profiler slows the host: the
+step times here are not the bench's.)
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import sys
 
 from timing import versions, write_result  # (importing it sets the safety variables the jobs inherit)
 
-WARMUP = 5
+WARMUP = 10  # bench: steps left out (compiling, tuning)
+BENCH_LOG_FREQ = 10  # bench: torchtitan's default; it syncs the host with the GPU at every logged step
 LOSS_TOLERANCE = 1e-2
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
@@ -38,16 +47,19 @@ STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 BENCH_CONFIGS = {  # name: (backend, async TP)
     "nccl": ("nccl", False),
     "nccl_async_tp": ("nccl", True),
+    "tdist": ("tdist", False),  # (not one of the issue's three: tdist's collectives alone)
     "tdist_async_tp": ("tdist", True),
 }
 
 
-def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_path: str, env: dict | None = None):
-    """One torchtitan job; returns (steps {step: (loss, tps)}, rank 0's tdist stats line, exit code)."""
+def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_path: str, env: dict | None = None,
+              log_freq: int = 1):
+    """One torchtitan job; returns (steps {logged step: (loss, tps over the steps since the last
+    logged one)}, rank 0's tdist stats line, exit code)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "torch_tdist.titan", "--backend", backend,
                "--parallelism.tensor_parallel_degree", str(nproc), "--parallelism.data_parallel_shard_degree", "1",
-               "--compile.enable", "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
+               "--compile.enable", "--activation_checkpoint.mode", "none", "--metrics.log_freq", str(log_freq),
                "--metrics.disable_color_printing", "--checkpoint.no-enable", "--training.dataset", "synthetic",
                "--debug.seed", "42", "--comm.trace_buf_size", "0", "--job.dump_folder", f"/tmp/titan_{backend}",
                "--parallelism.enable_async_tensor_parallel" if async_tp else "--parallelism.no-enable_async_tensor_parallel",
@@ -84,17 +96,18 @@ def bench(args):
         if args.only and name not in args.only.split(","):
             continue
         steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, os.path.join(args.out, f"titan_{name}.log"),
-                                       _tdist_env(args, backend))
-        timed = [tps for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
+                                       _tdist_env(args, backend), BENCH_LOG_FREQ)
+        timed = [tps for step, (_, tps) in sorted(steps.items()) if step > WARMUP]  # windows of BENCH_LOG_FREQ steps
         if code or not timed:
             print(f"{name}: exit code {code}, {len(steps)} steps logged; see titan_{name}.log", flush=True)
             rows.append({"config": name, "error": f"exit code {code}"})
             continue
-        per_device = statistics.median(timed)  # torchtitan's tps: tokens / (step time x TP degree)
+        per_device = statistics.median(timed)  # torchtitan's tps: tokens / (window's step time x TP degree)
         step_ms = 1e3 * args.seq / (per_device * args.nproc)
         row = {"config": name, "env": _tdist_env(args, backend), "tokens_per_s": round(args.seq / step_ms * 1e3, 1),
                "step_ms": round(step_ms, 1),
-               "final_loss": steps[max(steps)][0], "steps_timed": len(timed), "tdist_stats": stats}
+               "final_loss": steps[max(steps)][0], "steps_timed": len(timed) * BENCH_LOG_FREQ,
+               "window_tokens_per_s": [tps * args.nproc for tps in timed], "tdist_stats": stats}
         rows.append(row)
         print(row, flush=True)
     by_name = {r["config"]: r for r in rows if "tokens_per_s" in r}
@@ -107,8 +120,9 @@ def bench(args):
     print("ratios", ratios, flush=True)
     write_result(args.out, "titan", args.nproc, rows=rows, versions=_versions(), ratios=ratios,
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
-                         f"bf16, compiled, {args.steps} steps; tokens/s of the TP group = seq / median step time "
-                         f"over steps after {WARMUP}; configurations run one after another in one device call"))
+                         f"bf16, compiled, {args.steps} steps logged every {BENCH_LOG_FREQ}; tokens/s of the TP group "
+                         f"= seq / step time, the median over the log windows after step {WARMUP} (torchtitan's tps: "
+                         f"a window's tokens over its time); configurations run one after another in one device call"))
 
 
 def loss(args):
@@ -279,7 +293,7 @@ def main():
                         help="bench, profile: an environment variable for the tdist runs (e.g. TDIST_OVERLAP=sequential)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
-    args.steps = args.steps or (20 if args.mode == "bench" else 50)
+    args.steps = args.steps or (40 if args.mode == "bench" else 50)
     os.makedirs(args.out, exist_ok=True)
     {"bench": bench, "loss": loss, "profile": profile}[args.mode](args)
 
