@@ -2,9 +2,12 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|bench|overlap|soak|moe|badinput|all]   (all: demo, test, bench, moe)
+#   bash benchmarks/device_run.sh [demo|test|bench|overlap|titan|soak|moe|badinput|all]   (all: demo, test, bench, moe)
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
+# titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
+#   (carried to the device, which has no internet: README, "torchtitan"), e.g.
+#   NPROC=4 BENCH_ARGS="--repeat 2" bash benchmarks/device_run.sh titan
 # (benchmarks/timeline.py shows what one call of an op does on the GPU, stream by stream.)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
@@ -48,5 +51,10 @@ fi
 if [ "$what" = overlap ]; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/overlap.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/overlap.log" || rc=1
+fi
+if [ "$what" = titan ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan_site .whl/*.whl || rc=1
+  PYTHONPATH=/tmp/titan_site${PYTHONPATH:+:$PYTHONPATH} timeout 570 python3 benchmarks/titan.py "${TITAN_MODE:-bench}" \
+    --nproc "$nproc" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/titan.log" || rc=1
 fi
 exit $rc

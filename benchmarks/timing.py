@@ -61,7 +61,7 @@ def time_loop(fn, iters: int, cpu_group, reps: int = 5, barrier_group=None) -> t
 
 
 def machine(world: int) -> str:
-    return os.environ.get("TDIST_MACHINE", f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_"))
+    return os.environ.get("TDIST_MACHINE") or f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_")
 
 
 def versions() -> dict:

@@ -1,6 +1,6 @@
 """torchtitan (0.2.2) on 4 GPUs through torch_tdist.titan: tdist against NCCL, one torchrun each.
 
-    python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 40] [--out DIR]
+    python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 40] [--repeat 1] [--out DIR]
     python3 benchmarks/titan.py loss  [--nproc 4] [--steps 50] [--out DIR]
     python3 benchmarks/titan.py profile [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--only nccl,...] [--out DIR]
 
@@ -91,25 +91,36 @@ def bench(args):
     flags = ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq), "--training.local_batch_size", "1",
              "--training.steps", str(args.steps), "--training.dtype", "bfloat16", "--optimizer.lr", "1e-4",
              "--lr_scheduler.warmup_steps", "2"]
+    names = [n for n in BENCH_CONFIGS if not args.only or n in args.only.split(",")]
+    runs = {name: [] for name in names}  # name -> [(windows' tokens/s of the TP group, final loss, stats)]
+    errors = {}
+    for repeat in range(args.repeat):  # round robin: a drift of the machine touches every configuration
+        for name in names:
+            backend, async_tp = BENCH_CONFIGS[name]
+            log = os.path.join(args.out, f"titan_{name}{f'_{repeat}' if args.repeat > 1 else ''}.log")
+            steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, log, _tdist_env(args, backend),
+                                           BENCH_LOG_FREQ)
+            # torchtitan's tps: a window's tokens / (its time x TP degree)
+            windows = [tps * args.nproc for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
+            if code or not windows:
+                print(f"{name}: exit code {code}, {len(steps)} steps logged; see {log}", flush=True)
+                errors[name] = f"exit code {code}"
+                continue
+            runs[name].append((windows, steps[max(steps)][0], stats))
+            print(f"{name} run {repeat}: windows {windows}", flush=True)
     rows = []
-    for name, (backend, async_tp) in BENCH_CONFIGS.items():
-        if args.only and name not in args.only.split(","):
+    for name in names:
+        if not runs[name]:
+            rows.append({"config": name, "error": errors.get(name)})
             continue
-        steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, os.path.join(args.out, f"titan_{name}.log"),
-                                       _tdist_env(args, backend), BENCH_LOG_FREQ)
-        timed = [tps for step, (_, tps) in sorted(steps.items()) if step > WARMUP]  # windows of BENCH_LOG_FREQ steps
-        if code or not timed:
-            print(f"{name}: exit code {code}, {len(steps)} steps logged; see titan_{name}.log", flush=True)
-            rows.append({"config": name, "error": f"exit code {code}"})
-            continue
-        per_device = statistics.median(timed)  # torchtitan's tps: tokens / (window's step time x TP degree)
-        step_ms = 1e3 * args.seq / (per_device * args.nproc)
-        row = {"config": name, "env": _tdist_env(args, backend), "tokens_per_s": round(args.seq / step_ms * 1e3, 1),
-               "step_ms": round(step_ms, 1),
-               "final_loss": steps[max(steps)][0], "steps_timed": len(timed) * BENCH_LOG_FREQ,
-               "window_tokens_per_s": [tps * args.nproc for tps in timed], "tdist_stats": stats}
-        rows.append(row)
-        print(row, flush=True)
+        windows = [w for run_windows, _, _ in runs[name] for w in run_windows]
+        tokens_per_s = statistics.median(windows)
+        rows.append({"config": name, "env": _tdist_env(args, BENCH_CONFIGS[name][0]),
+                     "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * args.seq / tokens_per_s, 1),
+                     "final_loss": runs[name][-1][1], "steps_timed": len(windows) * BENCH_LOG_FREQ,
+                     "run_tokens_per_s": [round(statistics.median(w), 1) for w, _, _ in runs[name]],
+                     "window_tokens_per_s": [w for w, _, _ in runs[name]], "tdist_stats": runs[name][-1][2]})
+        print({k: v for k, v in rows[-1].items() if k != "window_tokens_per_s"}, flush=True)
     by_name = {r["config"]: r for r in rows if "tokens_per_s" in r}
     ratios = {}
     if "tdist_async_tp" in by_name:
@@ -122,7 +133,8 @@ def bench(args):
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
                          f"bf16, compiled, {args.steps} steps logged every {BENCH_LOG_FREQ}; tokens/s of the TP group "
                          f"= seq / step time, the median over the log windows after step {WARMUP} (torchtitan's tps: "
-                         f"a window's tokens over its time); configurations run one after another in one device call"))
+                         f"a window's tokens over its time) of {args.repeat} run(s) per configuration, the "
+                         f"configurations taken round robin in one device call"))
 
 
 def loss(args):
@@ -289,6 +301,7 @@ def main():
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--only", default="", help="bench, profile: comma-separated configurations")
+    parser.add_argument("--repeat", type=int, default=1, help="bench: runs per configuration, round robin")
     parser.add_argument("--tdist-env", action="append", default=[], metavar="K=V",
                         help="bench, profile: an environment variable for the tdist runs (e.g. TDIST_OVERLAP=sequential)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

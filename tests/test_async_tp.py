@@ -37,3 +37,33 @@ def test_import_changes_nothing():
             "print('unchanged')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_gather_pass_runs_after_earlier_passes():
+    """enable()'s post-grad pre-pass keeps one the user installed before (run first, its uuid
+    part of the cache key) and is installed once however often enable() runs."""
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from torch_tdist import async_tp
+
+    ran = []
+
+    class Earlier(CustomGraphPass):
+        def __call__(self, graph):
+            ran.append(graph)
+
+        def uuid(self):
+            return "earlier"
+
+    earlier = Earlier()
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=earlier):
+        async_tp._install_gather_pass()
+        installed = torch._inductor.config.post_grad_custom_pre_pass
+        assert isinstance(installed, async_tp._RestoreGatherDims) and installed.before == (earlier,)
+        graph = torch.fx.Graph()
+        installed(graph)
+        assert ran == [graph]
+        assert "earlier" in installed.uuid()
+        async_tp._install_gather_pass()
+        assert torch._inductor.config.post_grad_custom_pre_pass is installed
