@@ -3,6 +3,7 @@
     python3 benchmarks/titan.py bench [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--steps 40] [--repeat 1] [--out DIR]
     python3 benchmarks/titan.py loss  [--nproc 4] [--steps 50] [--out DIR]
     python3 benchmarks/titan.py profile [--nproc 4] [--flavor 8B_4L] [--seq 8192] [--only nccl,...] [--out DIR]
+    (bench and profile: --tdist-env K=V sets an environment variable for the tdist runs)
 
 bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, the
 configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist
@@ -40,6 +41,7 @@ from timing import versions, write_result  # (importing it sets the safety varia
 
 WARMUP = 10  # bench: steps left out (compiling, tuning)
 BENCH_LOG_FREQ = 10  # bench: torchtitan's default; it syncs the host with the GPU at every logged step
+assert WARMUP % BENCH_LOG_FREQ == 0, "a log window must not straddle the warm-up"
 LOSS_TOLERANCE = 1e-2
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
@@ -47,7 +49,7 @@ STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 BENCH_CONFIGS = {  # name: (backend, async TP)
     "nccl": ("nccl", False),
     "nccl_async_tp": ("nccl", True),
-    "tdist": ("tdist", False),  # (not one of the issue's three: tdist's collectives alone)
+    "tdist": ("tdist", False),  # (tdist's collectives alone, for diagnosis)
     "tdist_async_tp": ("tdist", True),
 }
 
@@ -104,14 +106,14 @@ def bench(args):
             windows = [tps * args.nproc for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
             if code or not windows:
                 print(f"{name}: exit code {code}, {len(steps)} steps logged; see {log}", flush=True)
-                errors[name] = f"exit code {code}"
+                errors.setdefault(name, []).append(f"run {repeat}: exit code {code}")
                 continue
             runs[name].append((windows, steps[max(steps)][0], stats))
             print(f"{name} run {repeat}: windows {windows}", flush=True)
     rows = []
     for name in names:
         if not runs[name]:
-            rows.append({"config": name, "error": errors.get(name)})
+            rows.append({"config": name, "error": errors[name]})
             continue
         windows = [w for run_windows, _, _ in runs[name] for w in run_windows]
         tokens_per_s = statistics.median(windows)
@@ -119,7 +121,8 @@ def bench(args):
                      "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * args.seq / tokens_per_s, 1),
                      "final_loss": runs[name][-1][1], "steps_timed": len(windows) * BENCH_LOG_FREQ,
                      "run_tokens_per_s": [round(statistics.median(w), 1) for w, _, _ in runs[name]],
-                     "window_tokens_per_s": [w for w, _, _ in runs[name]], "tdist_stats": runs[name][-1][2]})
+                     "window_tokens_per_s": [w for w, _, _ in runs[name]], "tdist_stats": runs[name][-1][2],
+                     **({"failed_runs": errors[name]} if name in errors else {})})
         print({k: v for k, v in rows[-1].items() if k != "window_tokens_per_s"}, flush=True)
     by_name = {r["config"]: r for r in rows if "tokens_per_s" in r}
     ratios = {}
@@ -195,14 +198,17 @@ PROFILED_STEP = 10
 
 
 COMM_KINDS = ("nccl", "tdist", "copy")
+TDIST_COMM_KERNELS = {"oneshot_kernel", "gather_chunks_kernel", "hierarchical_all_gather_kernel", "publish_kernel",
+                      "pull_copy_kernel", "pull_reduce_kernel", "reduce_chunks_kernel", "wait_peers_kernel"}
+TDIST_FUSED_KERNELS = {"ag_gemm_kernel", "gemm_rs_kernel"}  # (triton_kernels/)
 
 
 def kernel_breakdown(trace_paths: list[str]) -> dict:
     """GPU time of one profiled step from the ranks' chrome traces (rank 0's first): the span
-    from rank 0's first kernel or copy to its last, time by kind, the communication time no
-    computation overlaps (exposed), and, communication kernel by kernel (NCCL's and tdist's, in
-    order), the part rank 0 spent waiting for the last rank to launch the same call (skew, not
-    transfer)."""
+    from rank 0's first kernel or copy to its last, time by kind, the communication time (NCCL's
+    and tdist's kernels, peer copies) no computation overlaps (exposed), and, communication
+    kernel by kernel, the part rank 0 spent waiting for the last rank to launch the same call
+    (skew, not transfer: ``comm_transfer_ms`` is the communication time less that)."""
     def load(path):
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e.get("dur", 0) > 0]
@@ -246,11 +252,13 @@ def kernel_breakdown(trace_paths: list[str]) -> dict:
     def kind(name, cat):
         low = name.lower()
         if cat == "gpu_memcpy":
-            return "copy"
+            return "copy" if "ptop" in low else "other"  # (peer copies are tdist's pulls and pushes)
         if "nccl" in low:
             return "nccl"
-        if any(k in low for k in ("oneshot_kernel", "wait_peers", "reduce_chunks", "_signal", "overlap")):
+        if name in TDIST_COMM_KERNELS:
             return "tdist"
+        if name in TDIST_FUSED_KERNELS:
+            return "fused"  # (computes while it communicates: counted with the computation)
         if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "_mm_")):
             return "matmul"
         if "flash" in low or "fmha" in low or "attention" in low:
@@ -267,11 +275,12 @@ def kernel_breakdown(trace_paths: list[str]) -> dict:
     exposed = covered(comm) - overlap(comm, rest)
     # the n-th call of a communication kernel on every rank is the same collective: rank 0 waited
     # from its own start to the last rank's
-    calls = []
+    calls, unpaired = [], []
     by_rank = [[(s, e, n) for s, e, n, c in r if kind(n, c) in ("nccl", "tdist")] for r in ranks]
     for name in sorted({n for _, _, n in by_rank[0]}):
-        series = [[(s, e) for s, e, n in r if n == name] for r in by_rank]
+        series = [sorted((s, e) for s, e, n in r if n == name) for r in by_rank]
         if len({len(x) for x in series}) != 1:
+            unpaired.append(name[:60])  # (the ranks ran it a different number of times: no pairing)
             continue
         for i, (start, end) in enumerate(series[0]):
             wait = max(0, max(x[i][0] for x in series) - start) if len(series) > 1 else 0
@@ -285,7 +294,8 @@ def kernel_breakdown(trace_paths: list[str]) -> dict:
             "comm_ms": ms(covered(comm)), "exposed_comm_ms": ms(exposed),
             "overlap_bound_speedup": round(span / max(span - exposed, 1e-9), 3),
             "comm_waiting_for_last_rank_ms": ms(waited),
-            "comm_transfer_ms": ms(sum(d for _, _, d, _ in calls) - waited),
+            "comm_transfer_ms": ms(covered(comm) - waited),
+            "comm_kernels_not_paired": unpaired,
             "comm_calls_us": [[name, dur, wait] for _, name, dur, wait in calls],
             "host_ms": {name: {"ms": ms(sum(d)), "calls": len(d), "median_us": round(statistics.median(d), 1)}
                         for name, d in sorted(host.items(), key=lambda item: -sum(item[1]))[:15]},

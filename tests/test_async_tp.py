@@ -39,31 +39,77 @@ def test_import_changes_nothing():
     assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_gather_pass_runs_after_earlier_passes():
-    """enable()'s post-grad pre-pass keeps one the user installed before (run first, its uuid
-    part of the cache key) and is installed once however often enable() runs."""
+def test_gather_pass_keeps_earlier_passes():
+    """enable()'s post-grad pre-pass joins one the user installed before (after it, in a list,
+    where torch takes lists), and is installed once however often enable() runs."""
     import torch
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor import custom_graph_pass
 
     from torch_tdist import async_tp
 
-    ran = []
+    def earlier(graph):
+        pass
 
-    class Earlier(CustomGraphPass):
-        def __call__(self, graph):
-            ran.append(graph)
-
-        def uuid(self):
-            return "earlier"
-
-    earlier = Earlier()
     with torch._inductor.config.patch(post_grad_custom_pre_pass=earlier):
         async_tp._install_gather_pass()
         installed = torch._inductor.config.post_grad_custom_pre_pass
-        assert isinstance(installed, async_tp._RestoreGatherDims) and installed.before == (earlier,)
-        graph = torch.fx.Graph()
-        installed(graph)
-        assert ran == [graph]
-        assert "earlier" in installed.uuid()
+        if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+            assert installed[0] is earlier and isinstance(installed[1], async_tp._RestoreGatherDims), installed
+        else:
+            assert installed is earlier
         async_tp._install_gather_pass()
-        assert torch._inductor.config.post_grad_custom_pre_pass is installed
+        assert torch._inductor.config.post_grad_custom_pre_pass == installed
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=None):
+        async_tp._install_gather_pass()
+        assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, async_tp._RestoreGatherDims)
+
+
+def _gathered_matmul_graph(group_name: str, gather_used_elsewhere: bool = False, matmul: bool = True):
+    """The post-grad graph of a batch-1 sequence-parallel gather (2 ranks) feeding a matmul, as
+    funcol and Inductor write it: reshape(wait(all_gather)) -> reshape to 2-D -> mm -> reshape."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    with FakeTensorMode() as mode:
+        def node(target, args, shape):
+            n = graph.call_function(target, args)
+            n.meta["val"] = mode.from_tensor(torch.empty(shape))
+            return n
+        shard, weight = graph.placeholder("shard"), graph.placeholder("weight")
+        shard.meta["val"], weight.meta["val"] = torch.empty(1, 4, 16), torch.empty(16, 8)
+        wait = node(c10d.wait_tensor.default, (node(c10d.all_gather_into_tensor.default, (shard, 2, group_name),
+                                                    (2, 4, 16)),), (2, 4, 16))
+        gathered = node(aten.reshape.default, (wait, [1, 8, 16]), (1, 8, 16))
+        flat = node(aten.reshape.default, (gathered, [8, 16]), (8, 16))
+        out = node(aten.reshape.default, (node(aten.mm.default, (flat, weight), (8, 8)), [1, 8, 8]), (1, 8, 8)) \
+            if matmul else flat
+    graph.output((out, wait) if gather_used_elsewhere else (out,))
+    return graph
+
+
+def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch):
+    """_RestoreGatherDims turns the reshaped gather of a tdist group into cat(split(...)) along
+    dimension 1, and leaves it (a view, no copy) for another group, for a gather used elsewhere
+    too and for one no matmul takes: there the micro-pipeline pass would not fuse it."""
+    import torch
+
+    from torch_tdist import async_tp
+
+    monkeypatch.setattr(async_tp, "_is_tdist", lambda name: name == "tdist")
+    monkeypatch.setattr(async_tp.symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch._inductor.config, "_micro_pipeline_tp", True)
+
+    def cats(graph):
+        async_tp._RestoreGatherDims()(graph)
+        graph.lint()
+        return [n for n in graph.nodes if n.target is torch.ops.aten.cat.default]
+
+    rewritten = cats(_gathered_matmul_graph("tdist"))
+    assert len(rewritten) == 1 and rewritten[0].args[1] == 1 and len(rewritten[0].args[0]) == 2
+    assert tuple(rewritten[0].meta["val"].shape) == (1, 8, 16)
+    assert not cats(_gathered_matmul_graph("nccl"))
+    assert not cats(_gathered_matmul_graph("tdist", gather_used_elsewhere=True))
+    assert not cats(_gathered_matmul_graph("tdist", matmul=False))

@@ -29,6 +29,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
@@ -167,16 +168,14 @@ class _RestoreGatherDims(CustomGraphPass):
     """Post-grad pre-pass: a gather along dim d > 0 whose leading dimensions are all 1 (a
     sequence-parallel batch of 1) reaches Inductor as a reshape of the dim-0 gather (funcol
     returns a view where no copy is needed), a form the micro-pipeline pass does not take for an
-    all-gather. For tdist groups whose gathered tensor feeds a matmul, this spells the reshape
-    the way funcol spells every other gather along d, cat(split(gathered)), so the pass fuses it
-    (the fused op then gathers straight into place: the cat is never run)."""
-
-    def __init__(self, before=()):
-        self.before = tuple(before)  # the pre-passes installed before enable(), run first
+    all-gather. Where the pass will fuse it (a tdist group with symmetric memory, the gather's
+    only use that reshape, which feeds an N-D matmul the pass takes), this spells the reshape the
+    way funcol spells every other gather along d, cat(split(gathered)); the fused op then
+    gathers straight into place and the cat never runs. Elsewhere the graph is left alone."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for earlier in self.before:
-            earlier(graph)
+        if not (torch._inductor.config._micro_pipeline_tp and dist.is_nccl_available()):
+            return  # (the pass would not run: a cat would stay where a view was)
         c10d = torch.ops._c10d_functional
         for wait in list(graph.nodes):
             gather = wait.args[0] if wait.target is c10d.wait_tensor.default else None
@@ -184,28 +183,30 @@ class _RestoreGatherDims(CustomGraphPass):
                 continue
             group_name = gather.kwargs.get("group_name", gather.args[2] if len(gather.args) > 2 else None)
             if group_name is None or not symm_mem.is_symm_mem_enabled_for_group(group_name) \
-                    or not _is_tdist(group_name):
+                    or not _is_tdist(group_name) or len(wait.users) != 1:
                 continue
             shard, world = gather.args[0].meta["val"], gather.args[1]
-            for reshape in list(wait.users):
-                dim = _reshaped_gather_dim(reshape, shard.shape, world)
-                if dim is not None and _feeds_matmul(reshape):
-                    with graph.inserting_before(reshape):
-                        # (dim 0 left unsaid, as funcol's chunk says it and the pass's pattern expects)
-                        split = graph.call_function(torch.ops.aten.split.Tensor, (wait, shard.shape[0]))
-                        split.meta["val"] = torch.ops.aten.split.Tensor(wait.meta["val"], shard.shape[0])
-                        parts = []
-                        for i in range(world):
-                            parts.append(graph.call_function(operator.getitem, (split, i)))
-                            parts[-1].meta["val"] = split.meta["val"][i]
-                        cat = graph.call_function(torch.ops.aten.cat.default, (parts, dim))
-                        cat.meta["val"] = torch.ops.aten.cat.default([p.meta["val"] for p in parts], dim)
-                    reshape.replace_all_uses_with(cat)
-                    graph.erase_node(reshape)
+            reshape = next(iter(wait.users))
+            dim = _reshaped_gather_dim(reshape, shard.shape, world)
+            if dim is None or not _feeds_matmul(reshape):
+                continue
+            with graph.inserting_before(reshape):
+                # the pass's pattern is split(gathered, size) with the dimension (0) left unsaid, as
+                # funcol's chunk writes it; the size is the shard's first, which is 1 here
+                split = graph.call_function(torch.ops.aten.split.Tensor, (wait, shard.shape[0]))
+                split.meta["val"] = torch.ops.aten.split.Tensor(wait.meta["val"], shard.shape[0])
+                parts = [graph.call_function(operator.getitem, (split, i)) for i in range(world)]
+                for i, part in enumerate(parts):
+                    part.meta["val"] = split.meta["val"][i]
+                cat = graph.call_function(torch.ops.aten.cat.default, (parts, dim))
+                cat.meta["val"] = torch.ops.aten.cat.default([p.meta["val"] for p in parts], dim)
+                for node in (split, *parts, cat):
+                    node.meta["stack_trace"] = reshape.meta.get("stack_trace")
+            reshape.replace_all_uses_with(cat)
+            graph.erase_node(reshape)
 
     def uuid(self):
-        earlier = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.before]
-        return None if None in earlier else (get_hash_for_files((__file__,)), *earlier)  # None: no caching
+        return get_hash_for_files((__file__,))
 
 
 def _reshaped_gather_dim(node, shard_shape, world: int) -> int | None:
@@ -223,16 +224,30 @@ def _reshaped_gather_dim(node, shard_shape, world: int) -> int | None:
 
 
 def _feeds_matmul(node) -> bool:
-    """Whether ``node``, reshaped to 2-D, is the left operand of an mm (the pass's N-D matmul)."""
-    return any(user.target is torch.ops.aten.reshape.default
-               and any(u.target is torch.ops.aten.mm.default and u.args[0] is user for u in user.users)
-               for user in node.users)
+    """Whether ``node`` is the left operand of an N-D matmul as the pass takes it: reshaped to
+    2-D, multiplied, the product reshaped back to ``node``'s leading dimensions."""
+    reshape, mm = torch.ops.aten.reshape.default, torch.ops.aten.mm.default
+    lead = tuple(node.meta["val"].shape[:-1])
+    return any(product.target is mm and product.args[0] is flat
+               and any(out.target is reshape and tuple(out.meta["val"].shape) == (*lead, product.meta["val"].shape[-1])
+                       for out in product.users)
+               for flat in node.users if flat.target is reshape for product in flat.users)
 
 
 def _install_gather_pass():
-    """Adds _RestoreGatherDims to Inductor's post-grad pre-passes, after any already there."""
+    """Adds _RestoreGatherDims to Inductor's post-grad pre-passes: the only one, or after those
+    already there where this torch takes a list (torch 2.13 does, 2.11 does not: a pass already
+    there is kept and batch-1 gathers stay unfused, with a warning)."""
     config = torch._inductor.config
     present = config.post_grad_custom_pre_pass
-    if not isinstance(present, _RestoreGatherDims):
-        before = present if isinstance(present, (list, tuple)) else [present] if present is not None else []
-        config.post_grad_custom_pre_pass = _RestoreGatherDims(before)
+    passes = list(present) if isinstance(present, (list, tuple)) else [] if present is None else [present]
+    if any(isinstance(p, _RestoreGatherDims) for p in passes):
+        return
+    if not passes:
+        config.post_grad_custom_pre_pass = _RestoreGatherDims()
+    elif hasattr(custom_graph_pass, "get_custom_graph_passes"):  # (what runs a list of them)
+        config.post_grad_custom_pre_pass = [*passes, _RestoreGatherDims()]
+    else:
+        warnings.warn("torch_tdist.async_tp.enable: torch._inductor.config.post_grad_custom_pre_pass already "
+                      "holds a pass and this torch takes only one; tdist's pass, which lets a batch-1 "
+                      "sequence-parallel gather fuse, is not installed", stacklevel=3)
