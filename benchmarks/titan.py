@@ -7,10 +7,11 @@
 
 bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, the
 configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist
-without and with async TP. Tokens/s is the TP group's (tokens of a step over the step's time),
-the median over torchtitan's log windows (BENCH_LOG_FREQ steps, its default: it syncs the host
-at each logged step) after the first WARMUP steps (compiling, tuning); writes
-``titan_<machine>.json``.
+without and with async TP, and tdist with async TP choosing its ways on the step's own calls
+(TDIST_OVERLAP=trial) instead of timing them alone first. Tokens/s is the TP group's (tokens of
+a step over the step's time), the median over torchtitan's log windows (BENCH_LOG_FREQ steps,
+its default: it syncs the host at each logged step) after the first WARMUP steps (compiling,
+tuning); writes ``titan_<machine>.json``.
 
 loss: the llama3 debug model, TP over every GPU, compile + async TP, the same seed, on NCCL and on
 tdist (its overlapped ops forced, TDIST_OVERLAP=pipelined, so the fused regions provably run
@@ -46,11 +47,12 @@ LOSS_TOLERANCE = 1e-2
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 
-BENCH_CONFIGS = {  # name: (backend, async TP)
-    "nccl": ("nccl", False),
-    "nccl_async_tp": ("nccl", True),
-    "tdist": ("tdist", False),  # (tdist's collectives alone, for diagnosis)
-    "tdist_async_tp": ("tdist", True),
+BENCH_CONFIGS = {  # name: (backend, async TP, environment of the run)
+    "nccl": ("nccl", False, {}),
+    "nccl_async_tp": ("nccl", True, {}),
+    "tdist": ("tdist", False, {}),  # (tdist's collectives alone, for diagnosis)
+    "tdist_async_tp": ("tdist", True, {}),
+    "tdist_async_tp_trial": ("tdist", True, {"TDIST_OVERLAP": "trial"}),  # (ways chosen on the step's own calls)
 }
 
 
@@ -80,9 +82,10 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
     return steps, stats, code
 
 
-def _tdist_env(args, backend: str) -> dict:
-    """The --tdist-env settings (K=V), for tdist's runs only."""
-    return dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {}
+def _env(args, name: str) -> dict:
+    """The configuration's environment, and the --tdist-env settings (K=V) for tdist's runs."""
+    backend, _, env = BENCH_CONFIGS[name]
+    return {**env, **(dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {})}
 
 
 def _versions() -> dict:
@@ -98,9 +101,9 @@ def bench(args):
     errors = {}
     for repeat in range(args.repeat):  # round robin: a drift of the machine touches every configuration
         for name in names:
-            backend, async_tp = BENCH_CONFIGS[name]
+            backend, async_tp, _ = BENCH_CONFIGS[name]
             log = os.path.join(args.out, f"titan_{name}{f'_{repeat}' if args.repeat > 1 else ''}.log")
-            steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, log, _tdist_env(args, backend),
+            steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, log, _env(args, name),
                                            BENCH_LOG_FREQ)
             # torchtitan's tps: a window's tokens / (its time x TP degree)
             windows = [tps * args.nproc for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
@@ -117,7 +120,7 @@ def bench(args):
             continue
         windows = [w for run_windows, _, _ in runs[name] for w in run_windows]
         tokens_per_s = statistics.median(windows)
-        rows.append({"config": name, "env": _tdist_env(args, BENCH_CONFIGS[name][0]),
+        rows.append({"config": name, "env": _env(args, name),
                      "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * args.seq / tokens_per_s, 1),
                      "final_loss": runs[name][-1][1], "steps_timed": len(windows) * BENCH_LOG_FREQ,
                      "run_tokens_per_s": [round(statistics.median(w), 1) for w, _, _ in runs[name]],
@@ -126,11 +129,10 @@ def bench(args):
         print({k: v for k, v in rows[-1].items() if k != "window_tokens_per_s"}, flush=True)
     by_name = {r["config"]: r for r in rows if "tokens_per_s" in r}
     ratios = {}
-    if "tdist_async_tp" in by_name:
+    for tdist in ("tdist_async_tp", "tdist_async_tp_trial"):
         for base in ("nccl", "nccl_async_tp"):
-            if base in by_name:
-                ratios[f"tdist_async_tp_over_{base}"] = round(
-                    by_name["tdist_async_tp"]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
+            if tdist in by_name and base in by_name:
+                ratios[f"{tdist}_over_{base}"] = round(by_name[tdist]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
     print("ratios", ratios, flush=True)
     write_result(args.out, "titan", args.nproc, rows=rows, versions=_versions(), ratios=ratios,
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
@@ -175,19 +177,19 @@ def profile(args):
              "--lr_scheduler.warmup_steps", "2", "--profiling.enable_profiling",
              "--profiling.profile_freq", str(PROFILED_STEP)]
     rows = []
-    for name, (backend, async_tp) in BENCH_CONFIGS.items():
+    for name, (backend, async_tp, _) in BENCH_CONFIGS.items():
         if args.only and name not in args.only.split(","):
             continue
         folder = f"/tmp/titan_{backend}"
         subprocess.run(["rm", "-rf", os.path.join(folder, "profile_traces")])
         steps, stats, code = run_titan(backend, async_tp, flags, args.nproc,
-                                       os.path.join(args.out, f"titan_profile_{name}.log"), _tdist_env(args, backend))
+                                       os.path.join(args.out, f"titan_profile_{name}.log"), _env(args, name))
         traces = sorted(glob.glob(os.path.join(folder, "profile_traces", "iteration_*", "rank*_trace.json")))
         if code or not traces:
             rows.append({"config": name, "error": f"exit code {code}, {len(traces)} traces"})
             print(rows[-1], flush=True)
             continue
-        rows.append({"config": name, "env": _tdist_env(args, backend), **kernel_breakdown(traces), "tdist_stats": stats})
+        rows.append({"config": name, "env": _env(args, name), **kernel_breakdown(traces), "tdist_stats": stats})
         print({k: v for k, v in rows[-1].items() if k not in ("top", "comm_calls_us")}, flush=True)
     write_result(args.out, "titan_profile", args.nproc, rows=rows, versions=_versions(),
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
