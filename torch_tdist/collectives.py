@@ -160,7 +160,7 @@ class Executor:
         self.abort_page_layout = (language.PAGE_REGIONS.value, language.MAX_REGIONS.value,
                                   language.PAGE_STUCK.value, language.STUCK_RECORDS.value)
         self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune", "trial")
-        self.trials = {}  # torch_tdist.ops ("trial"): shape class -> [(way, its timer)] so far
+        self.trials = {}  # torch_tdist.ops ("trial"): shape class -> its ops._Trials, until chosen
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
