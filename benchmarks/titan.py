@@ -34,6 +34,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ WARMUP = 10  # bench: steps left out (compiling, tuning)
 BENCH_LOG_FREQ = 10  # bench: torchtitan's default; it syncs the host with the GPU at every logged step
 assert WARMUP % BENCH_LOG_FREQ == 0, "a log window must not straddle the warm-up"
 LOSS_TOLERANCE = 1e-2
+PROFILED_STEP = 10  # profile: the step traced
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 
@@ -82,6 +84,18 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
     return steps, stats, code
 
 
+def _model_flags(args, steps: int) -> list[str]:
+    """The bench's and the profile's model: args.flavor at args.seq, batch 1, bf16."""
+    return ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq), "--training.local_batch_size", "1",
+            "--training.steps", str(steps), "--training.dtype", "bfloat16", "--optimizer.lr", "1e-4",
+            "--lr_scheduler.warmup_steps", "2"]
+
+
+def _configs(args) -> list[str]:
+    """The BENCH_CONFIGS names --only keeps (all without it)."""
+    return [n for n in BENCH_CONFIGS if not args.only or n in args.only.split(",")]
+
+
 def _env(args, name: str) -> dict:
     """The configuration's environment, and the --tdist-env settings (K=V) for tdist's runs."""
     backend, _, env = BENCH_CONFIGS[name]
@@ -93,10 +107,8 @@ def _versions() -> dict:
 
 
 def bench(args):
-    flags = ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq), "--training.local_batch_size", "1",
-             "--training.steps", str(args.steps), "--training.dtype", "bfloat16", "--optimizer.lr", "1e-4",
-             "--lr_scheduler.warmup_steps", "2"]
-    names = [n for n in BENCH_CONFIGS if not args.only or n in args.only.split(",")]
+    flags = _model_flags(args, args.steps)
+    names = _configs(args)
     runs = {name: [] for name in names}  # name -> [(windows' tokens/s of the TP group, final loss, stats)]
     errors = {}
     for repeat in range(args.repeat):  # round robin: a drift of the machine touches every configuration
@@ -172,16 +184,13 @@ def profile(args):
     PROFILED_STEP; rank 0's kernels and copies are summed by kind, and the time communication
     runs with no computation beside it (exposed) bounds what overlapping can gain:
     span / (span - exposed)."""
-    flags = ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq), "--training.local_batch_size", "1",
-             "--training.steps", str(PROFILED_STEP), "--training.dtype", "bfloat16", "--optimizer.lr", "1e-4",
-             "--lr_scheduler.warmup_steps", "2", "--profiling.enable_profiling",
+    flags = [*_model_flags(args, PROFILED_STEP), "--profiling.enable_profiling",
              "--profiling.profile_freq", str(PROFILED_STEP)]
     rows = []
-    for name, (backend, async_tp, _) in BENCH_CONFIGS.items():
-        if args.only and name not in args.only.split(","):
-            continue
+    for name in _configs(args):
+        backend, async_tp, _ = BENCH_CONFIGS[name]
         folder = f"/tmp/titan_{backend}"
-        subprocess.run(["rm", "-rf", os.path.join(folder, "profile_traces")])
+        shutil.rmtree(os.path.join(folder, "profile_traces"), ignore_errors=True)
         steps, stats, code = run_titan(backend, async_tp, flags, args.nproc,
                                        os.path.join(args.out, f"titan_profile_{name}.log"), _env(args, name))
         traces = sorted(glob.glob(os.path.join(folder, "profile_traces", "iteration_*", "rank*_trace.json")))
@@ -194,9 +203,6 @@ def profile(args):
     write_result(args.out, "titan_profile", args.nproc, rows=rows, versions=_versions(),
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
                          f"bf16, compiled; torch profiler trace of step {PROFILED_STEP}, rank 0's CUDA kernels"))
-
-
-PROFILED_STEP = 10
 
 
 COMM_KINDS = ("nccl", "tdist", "copy")

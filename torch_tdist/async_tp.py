@@ -160,7 +160,7 @@ def _torch_layout(op: str, *args):
             strides = (result[0].stride(), [t.stride() for t in result[1]])
         else:
             strides = result.stride()
-        strides = _layouts[key] = strides
+        _layouts[key] = strides
     return strides
 
 
