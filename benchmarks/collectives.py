@@ -22,6 +22,7 @@ from timing import slowest, start_job, time_loop_us, write_result  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
+_async_op = False  # --async-op
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast", "all_to_all_moe")
 # MoE dispatch: 128 tokens per rank, hidden 7168 (bf16), each token to its top-8 of 8 experts per rank
 MOE_TOKENS, MOE_HIDDEN, MOE_TOP_K, MOE_EXPERTS_PER_RANK = 128, 7168, 8, 8
@@ -39,18 +40,21 @@ def _moe_splits(world, seed=0):
 
 
 def _call(op, group, inp, out):
+    kw = {"group": group, "async_op": _async_op}
     if op == "all_gather":
-        dist.all_gather_into_tensor(out, inp, group=group)
+        work = dist.all_gather_into_tensor(out, inp, **kw)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, inp, group=group)
+        work = dist.reduce_scatter_tensor(out, inp, **kw)
     elif op == "all_reduce":
-        dist.all_reduce(inp, group=group)
+        work = dist.all_reduce(inp, **kw)
     elif op == "all_to_all_single":
-        dist.all_to_all_single(out, inp, group=group)
+        work = dist.all_to_all_single(out, inp, **kw)
     elif op == "broadcast":
-        dist.broadcast(inp, 0, group=group)
+        work = dist.broadcast(inp, 0, **kw)
     elif op == "all_to_all_moe":
-        dist.all_to_all_single(out[0], inp, out[1], out[2], group=group)
+        work = dist.all_to_all_single(out[0], inp, out[1], out[2], **kw)
+    if work is not None:
+        work.wait()
 
 
 def _buffers(op, nbytes, world, device):
@@ -114,7 +118,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--async-op", action="store_true",
+                        help="call with async_op=True, then wait() (as code that overlaps calls does)")
     args = parser.parse_args()
+    global _async_op
+    _async_op = args.async_op
 
     rank, world, device = start_job()
     tdist_group = dist.new_group(backend="tdist")
@@ -164,7 +172,7 @@ def main():
                      f"{args.iters}: host launch time and rank skew included, noisy", rows,
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
-                     host_overhead_us=overhead)
+                     host_overhead_us=overhead, async_op=args.async_op)
     dist.destroy_process_group()
 
 

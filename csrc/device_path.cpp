@@ -28,6 +28,16 @@ using DriverLaunch = int (*)(
     void** params,
     void** extra);
 
+void enqueueWait(
+    const c10::Stream& earlier,
+    const c10::Stream& later,
+    EventPool& events) {
+  auto ready = events.take(earlier.device_type());
+  ready->record(earlier);
+  ready->block(later); // (the wait is enqueued: the event may be recorded anew)
+  events.give(std::move(ready));
+}
+
 } // namespace
 
 void* driverSymbol(const char* name) {
@@ -94,21 +104,37 @@ StreamScope::StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events)
     : comm_(comm),
       caller_(guardFor(comm.device_type()).getStream(comm.device())),
       events_(std::move(events)) {
-  auto ready = events_->take(comm.device_type());
-  ready->record(caller_);
-  ready->block(comm_); // (the wait is enqueued: the event may be recorded anew)
-  events_->give(std::move(ready));
+  if (onCallerStream()) {
+    return;
+  }
+  // (while the caller captures a CUDA graph, this wait brings comm_ into it)
+  enqueueWait(caller_, comm_, *events_);
   guardFor(comm.device_type()).exchangeStream(comm_);
 }
 
 StreamScope::~StreamScope() {
-  guardFor(comm_.device_type()).exchangeStream(caller_);
+  if (!onCallerStream()) {
+    guardFor(comm_.device_type()).exchangeStream(caller_);
+  }
 }
 
 std::unique_ptr<c10::Event> StreamScope::recordEnd() const {
   auto end = events_->take(comm_.device_type());
   end->record(comm_);
   return end;
+}
+
+c10::Stream currentStream(const c10::Device& device) {
+  return guardFor(device.type()).getStream(device);
+}
+
+void orderAfter(
+    const c10::Stream& earlier,
+    const c10::Stream& later,
+    EventPool& events) {
+  if (streamIsCapturing(earlier) == streamIsCapturing(later)) {
+    enqueueWait(earlier, later, events);
+  }
 }
 
 c10::Stream newCommStream(const c10::Device& device) {

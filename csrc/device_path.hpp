@@ -1,10 +1,12 @@
 // The GPU side of a served call, written against c10's device-generic stream
 // and event API (no CUDA headers, so the same sources build with CPU torch):
 //
-// - StreamScope: a call's kernels run on the group's own stream, after
-//   everything the caller's current stream had queued (NCCL's semantics).
-//   All of a group's launches on a rank then run in one order, which the
-//   kernels' epoch signals rely on.
+// - StreamScope: an async call's kernels run on the group's own stream,
+//   after everything the caller's current stream had queued; a call the
+//   caller waits for at once runs on the caller's stream (NCCL's semantics
+//   both). ProcessGroupTDist orders a call after the last one when their
+//   streams differ, so a group's launches on a rank run in one order, which
+//   the kernels' epoch signals rely on.
 // - LaunchPlan: the one kernel launch that served a call, as Python's
 //   executor made it the first time, replayed from C++ for later calls of the
 //   same shape with only the input and output pointers changed: no Python,
@@ -39,7 +41,8 @@ class EventPool {
 
 class StreamScope {
  public:
-  // Orders `comm` after the caller's current stream and makes it current.
+  // Orders `comm` after the caller's current stream and makes it current
+  // (nothing to do when `comm` is the caller's stream).
   StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events);
   ~StreamScope(); // makes the caller's stream current again
   StreamScope(const StreamScope&) = delete;
@@ -54,6 +57,9 @@ class StreamScope {
   const std::shared_ptr<EventPool>& events() const {
     return events_;
   }
+  bool onCallerStream() const {
+    return comm_ == caller_;
+  }
 
  private:
   c10::Stream comm_;
@@ -63,6 +69,17 @@ class StreamScope {
 
 // A pool stream of the device for the group's work.
 c10::Stream newCommStream(const c10::Device& device);
+
+// The calling thread's current stream on `device`.
+c10::Stream currentStream(const c10::Device& device);
+
+// Makes `later` wait for what `earlier` has queued so far (skipped when only
+// one of them is capturing a CUDA graph: a capture cannot wait on work
+// outside it).
+void orderAfter(
+    const c10::Stream& earlier,
+    const c10::Stream& later,
+    EventPool& events);
 
 // A symbol of the CUDA driver library torch loaded (taken at run time, so the
 // extension builds without a CUDA toolkit).

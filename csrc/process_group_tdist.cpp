@@ -445,13 +445,15 @@ void TDistWork::startOnStream(
 }
 
 void TDistWork::markDone() {
+  bool onCaller = true;
   if (scope_) {
     captured_ = streamIsCapturing(scope_->stream());
     end_ = scope_->recordEnd();
+    onCaller = scope_->onCallerStream();
   }
   scope_.reset();
-  if (!end_) {
-    inputs_.clear();
+  if (onCaller) {
+    inputs_.clear(); // the caller's stream already runs after the call
   }
   finish();
 }
@@ -466,8 +468,10 @@ bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
     if (blockHost_) {
       end_->synchronize();
     } else {
-      c10::impl::VirtualGuardImpl impl(end_->device_type());
-      end_->block(impl.getStream(end_->device()));
+      auto caller = currentStream(end_->device());
+      if (caller != *comm_) {
+        end_->block(caller);
+      }
     }
     // the caller's stream now runs after the call: its tensors may be freed
     inputs_.clear();
@@ -1005,6 +1009,7 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     OpType type,
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
+    bool asyncOp,
     std::optional<c10::Device> device) {
   checkNotAborted(op);
   auto work = c10::make_intrusive<TDistWork>(
@@ -1018,7 +1023,16 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     }
   }
   if (device && device->type() != c10::kCPU) {
-    work->startOnStream(commStream(*device), events_, op == Op::Barrier);
+    // NCCL's choice: a call the caller waits for at once runs on the caller's
+    // stream (no event hops between streams), an async one on the group's.
+    auto caller = currentStream(*device);
+    auto stream = asyncOp ? commStream(*device) : caller;
+    if (lastStream_ && *lastStream_ != stream &&
+        !(stream == commStream(*device) && *lastStream_ == caller)) {
+      orderAfter(*lastStream_, stream, *events_);
+    }
+    lastStream_ = stream;
+    work->startOnStream(stream, events_, op == Op::Barrier);
   }
   return work;
 }
@@ -1123,7 +1137,7 @@ WorkPtr ProcessGroupTDist::_allgather_base(
     return fallbackFor(op, input.device().type())
         ._allgather_base(output, input, opts);
   }
-  auto work = startWork(op, OpType::_ALLGATHER_BASE, {input}, {output});
+  auto work = startWork(op, OpType::_ALLGATHER_BASE, {input}, {output}, opts.asyncOp);
   executePlanned(
       planKey(op, input, output),
       input,
@@ -1156,7 +1170,7 @@ WorkPtr ProcessGroupTDist::allgather_into_tensor_coalesced(
     return fallbackFor(op, inputs[0].device().type())
         .allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::COALESCED, inputs, outputs);
+  auto work = startWork(op, OpType::COALESCED, inputs, outputs, opts.asyncOp);
   for (size_t i = 0; i < inputs.size(); ++i) {
     execute(op, "all_gather_into_tensor", outputs[i], inputs[i]);
   }
@@ -1184,7 +1198,7 @@ WorkPtr ProcessGroupTDist::allgather(
     return fallbackFor(op, input.device().type())
         .allgather(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::ALLGATHER, inputs, outputs[0]);
+  auto work = startWork(op, OpType::ALLGATHER, inputs, outputs[0], opts.asyncOp);
   execute(op, "all_gather", outputs[0], input);
   return finishWork(work, op);
 }
@@ -1237,7 +1251,7 @@ WorkPtr ProcessGroupTDist::allgather_coalesced(
         .allgather_coalesced(outputLists, inputs, opts);
   }
   auto work = startWork(
-      op, OpType::ALLGATHER_COALESCED, inputs, flatten(outputLists));
+      op, OpType::ALLGATHER_COALESCED, inputs, flatten(outputLists), opts.asyncOp);
   for (size_t j = 0; j < inputs.size(); ++j) {
     execute(op, "all_gather", column(outputLists, j), inputs[j]);
   }
@@ -1262,7 +1276,7 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
     return fallbackFor(op, input.device().type())
         ._reduce_scatter_base(output, input, opts);
   }
-  auto work = startWork(op, OpType::_REDUCE_SCATTER_BASE, {input}, {output});
+  auto work = startWork(op, OpType::_REDUCE_SCATTER_BASE, {input}, {output}, opts.asyncOp);
   executePlanned(
       planKey(op, input, output, static_cast<int>(opts.reduceOp.op_)),
       input,
@@ -1295,7 +1309,7 @@ WorkPtr ProcessGroupTDist::reduce_scatter_tensor_coalesced(
     return fallbackFor(op, inputs[0].device().type())
         .reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::COALESCED, inputs, outputs);
+  auto work = startWork(op, OpType::COALESCED, inputs, outputs, opts.asyncOp);
   for (size_t i = 0; i < inputs.size(); ++i) {
     execute(
         op,
@@ -1327,7 +1341,7 @@ WorkPtr ProcessGroupTDist::reduce_scatter(
     return fallbackFor(op, output.device().type())
         .reduce_scatter(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::REDUCE_SCATTER, inputs[0], outputs);
+  auto work = startWork(op, OpType::REDUCE_SCATTER, inputs[0], outputs, opts.asyncOp);
   execute(
       op,
       "reduce_scatter",
@@ -1351,7 +1365,7 @@ WorkPtr ProcessGroupTDist::allreduce(
     count(op, Route::Fallback);
     return fallbackFor(op, t.device().type()).allreduce(tensors, opts);
   }
-  auto work = startWork(op, OpType::ALLREDUCE, tensors, tensors);
+  auto work = startWork(op, OpType::ALLREDUCE, tensors, tensors, opts.asyncOp);
   executePlanned(
       planKey(op, t, t, static_cast<int>(opts.reduceOp.op_)),
       t,
@@ -1380,7 +1394,7 @@ WorkPtr ProcessGroupTDist::allreduce_coalesced(
     return fallbackFor(op, tensors[0].device().type())
         .allreduce_coalesced(tensors, opts);
   }
-  auto work = startWork(op, OpType::ALLREDUCE_COALESCED, tensors, tensors);
+  auto work = startWork(op, OpType::ALLREDUCE_COALESCED, tensors, tensors, opts.asyncOp);
   for (const auto& t : tensors) {
     execute(op, "all_reduce", t, executorOpName(opts.reduceOp.op_));
   }
@@ -1430,7 +1444,7 @@ WorkPtr ProcessGroupTDist::alltoall_base(
         .alltoall_base(
             output, input, outputSplitSizes, inputSplitSizes, opts);
   }
-  auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output});
+  auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output}, opts.asyncOp);
   if (inputSplitSizes.empty() && outputSplitSizes.empty()) {
     // even splits: the shapes alone determine the call
     executePlanned(
@@ -1468,7 +1482,7 @@ WorkPtr ProcessGroupTDist::alltoall(
     count(op, Route::Fallback);
     return fallbackFor(op, ref.device().type()).alltoall(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::ALLTOALL, inputs, outputs);
+  auto work = startWork(op, OpType::ALLTOALL, inputs, outputs, opts.asyncOp);
   execute(op, "all_to_all", outputs, inputs);
   return finishWork(work, op);
 }
@@ -1489,7 +1503,7 @@ WorkPtr ProcessGroupTDist::broadcast(
     count(op, Route::Fallback);
     return fallbackFor(op, t.device().type()).broadcast(tensors, opts);
   }
-  auto work = startWork(op, OpType::BROADCAST, tensors, tensors);
+  auto work = startWork(op, OpType::BROADCAST, tensors, tensors, opts.asyncOp);
   executePlanned(
       planKey(op, t, t, -1, opts.rootRank),
       t,
@@ -1513,7 +1527,7 @@ WorkPtr ProcessGroupTDist::barrier(const c10d::BarrierOptions& opts) {
         ? *opts.device
         : c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
   }
-  auto work = startWork(op, OpType::BARRIER, {}, {}, device);
+  auto work = startWork(op, OpType::BARRIER, {}, {}, opts.asyncOp, device);
   execute(op, "barrier");
   return finishWork(work, op);
 }
@@ -1566,7 +1580,7 @@ WorkPtr ProcessGroupTDist::scatter(
     return fallbackFor(op, output.device().type())
         .scatter(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::SCATTER, scatterList, outputs);
+  auto work = startWork(op, OpType::SCATTER, scatterList, outputs, opts.asyncOp);
   execute(op, "scatter", output, scatterList, opts.rootRank);
   return finishWork(work, op);
 }
@@ -1587,7 +1601,7 @@ WorkPtr ProcessGroupTDist::gather(
     return fallbackFor(op, input.device().type())
         .gather(outputs, inputs, opts);
   }
-  auto work = startWork(op, OpType::GATHER, inputs, gatherList);
+  auto work = startWork(op, OpType::GATHER, inputs, gatherList, opts.asyncOp);
   execute(op, "gather", gatherList, input, opts.rootRank);
   return finishWork(work, op);
 }
@@ -1606,7 +1620,7 @@ WorkPtr ProcessGroupTDist::reduce(
     count(op, Route::Fallback);
     return fallbackFor(op, t.device().type()).reduce(tensors, opts);
   }
-  auto work = startWork(op, OpType::REDUCE, tensors, tensors);
+  auto work = startWork(op, OpType::REDUCE, tensors, tensors, opts.asyncOp);
   execute(
       op, "reduce", t, opts.rootRank, executorOpName(opts.reduceOp.op_));
   return finishWork(work, op);

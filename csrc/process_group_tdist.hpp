@@ -4,8 +4,9 @@
 // fallback backend (Gloo on CPU, NCCL on CUDA) does, and hands served calls
 // to a Python executor object (torch_tdist.collectives) that launches the
 // Triton kernels, or replays a launch plan the executor recorded. CPU calls
-// complete before they return; GPU calls run on the group's stream and their
-// Work's wait() orders the caller's stream after them (device_path.hpp).
+// complete before they return; GPU calls run on the group's stream (async_op)
+// or the caller's, and their Work's wait() orders the caller's stream after
+// them (device_path.hpp).
 #pragma once
 
 #include <array>
@@ -57,8 +58,9 @@ const char* opName(Op op);
 
 // Construct it before the executor runs (so a profiler range covers the
 // call), then call markDone(). On a GPU, startOnStream() first puts the call
-// on the group's stream; markDone() then records the end of its work there,
-// keeps the tensors alive until wait(), and returns to the caller's stream.
+// on its stream; markDone() then records the end of its work there, keeps the
+// tensors alive until wait() (when that stream is not the caller's), and
+// returns to the caller's stream.
 class TDistWork : public c10d::Work {
  public:
   TDistWork(
@@ -345,6 +347,7 @@ class ProcessGroupTDist : public c10d::Backend {
       c10d::OpType type,
       const std::vector<at::Tensor>& inputs,
       const std::vector<at::Tensor>& outputs,
+      bool asyncOp,
       std::optional<c10::Device> device = std::nullopt);
   c10::Stream commStream(const c10::Device& device);
   c10::intrusive_ptr<c10d::Work> finishWork(
@@ -365,6 +368,9 @@ class ProcessGroupTDist : public c10d::Backend {
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
+  // Where the group's last GPU call ran: a call on another stream first waits
+  // for it, so the group's launches on a rank keep one order.
+  std::optional<c10::Stream> lastStream_;
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;

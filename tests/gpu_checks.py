@@ -238,6 +238,42 @@ def async_overlap(tg, rank, world, device, gen):
               f"both {t_both:.2f} ms (serial would be {t_compute + t_comm:.2f})", flush=True)
 
 
+def stream_changes(tg, rank, world, device, gen):
+    """Calls of one group on three streams with no user synchronisation between the group's
+    calls: an async all_reduce on the group's stream held back by matmuls on the caller's, then
+    a synchronous all_gather on a second stream that does not wait for the caller's, then a
+    synchronous reduce_scatter on the caller's stream. The group orders each call after the
+    previous one (its kernels' signals rely on that order), so every result matches NCCL's."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16, generator=gen)
+    side = torch.cuda.Stream(device)
+    served = {op: torch_tdist.stats(tg)[op]["tdist"] for op in ("all_reduce", "all_gather_into_tensor",
+                                                                 "reduce_scatter_tensor")}
+    for trial in range(20):
+        x = torch.randn(65536, device=device, generator=gen)
+        y = torch.randn(4096, device=device, generator=gen)
+        z = torch.randn(4096 * world, device=device, generator=gen)
+        want_x, want_y, want_z = x.clone(), torch.empty(4096 * world, device=device), torch.empty(4096, device=device)
+        dist.all_reduce(want_x)
+        dist.all_gather_into_tensor(want_y, y)
+        dist.reduce_scatter_tensor(want_z, z)
+        got_y, got_z = torch.full_like(want_y, 7), torch.full_like(want_z, 7)
+        side.wait_stream(torch.cuda.current_stream())  # the inputs are ready on both streams
+        for _ in range(4):
+            a @ a
+        work = dist.all_reduce(x, group=tg, async_op=True)
+        with torch.cuda.stream(side):
+            dist.all_gather_into_tensor(got_y, y, group=tg)
+        dist.reduce_scatter_tensor(got_z, z, group=tg)
+        work.wait()
+        torch.cuda.current_stream().wait_stream(side)
+        _check(f"async all_reduce before a call on another stream #{trial}", x, want_x)
+        _check(f"all_gather on a side stream #{trial}", got_y, want_y)
+        _check(f"reduce_scatter back on the caller's stream #{trial}", got_z, want_z)
+    for op, before in served.items():
+        _check(f"{op} served by tdist on every stream", torch.tensor(torch_tdist.stats(tg)[op]["tdist"]),
+               torch.tensor(before + 20))
+
+
 def _captured(calls, warmups):
     """A CUDA graph of ``calls()``, after ``warmups`` runs on a side stream."""
     side = torch.cuda.Stream()
@@ -494,7 +530,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
-CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, graph_replay, bulk_path,
+CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, graph_replay, bulk_path,
           served_by_tdist, fused_ops,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
