@@ -1,10 +1,10 @@
 """torch_tdist.ops against NCCL + torch.matmul and torch's symm_mem fused ops, side by side.
 
-    torchrun --nproc-per-node 4 benchmarks/overlap.py [--shapes 8192x4096x12288,...] [--policy tune|trial] [--out DIR]
+    torchrun --nproc-per-node 4 benchmarks/overlap.py [--shapes 8192x4096x12288,...] [--out DIR]
 
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
-each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune, or ``--policy trial``;
+each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune;
 ``path`` is what its tuning chose: "sequential", "pipelined <chunks>" or "fused <config>"), tdist's fused kernels with
 the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
@@ -81,13 +81,11 @@ def main():
     parser.add_argument("--ops", default="ag_gemm,gemm_rs")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--policy", default="tune", choices=("tune", "trial"),
-                        help="how the tdist column chooses its way (TDIST_OVERLAP)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
     rank, world, device = start_job()
-    os.environ["TDIST_OVERLAP"] = args.policy
+    os.environ["TDIST_OVERLAP"] = "tune"
     tdist_group = dist.new_group(backend="tdist")
     os.environ["TDIST_OVERLAP"] = "fused"
     fused_group = dist.new_group(backend="tdist")
@@ -114,9 +112,7 @@ def main():
             error = _relative_error(fused_out, want)
             by_shard = [round(_relative_error(f, w), 5) for f, w in zip(fused_out.chunk(world), want.chunk(world))]
             tuned_before = dict(executor.tuned)
-            calls["tdist"]()  # tunes this shape class ("tune"), or starts its trials ("trial")
-            while executor.trials:  # ("trial": the shape class's first calls try the ways in turn)
-                calls["tdist"]()
+            calls["tdist"]()  # tunes this shape class
             path = next((way for key, way in executor.tuned.items() if key not in tuned_before), "tuned before")
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
                    "relative_error": round(error, 5), "relative_error_by_shard": by_shard,
@@ -144,7 +140,7 @@ def main():
             torch.cuda.empty_cache()
     if rank == 0:
         write_result(args.out, "overlap", world,
-                     f"bf16, slowest rank, tdist's ways chosen by TDIST_OVERLAP={args.policy}; "
+                     f"bf16, slowest rank, tdist's ways chosen by TDIST_OVERLAP=tune; "
                      f"{args.iters} calls back to back per timed loop (CUDA events), "
                      f"median of 5 loops after {args.warmup} warm-ups; relative_error (by_shard: per rank's rows): "
                      f"tdist's fused kernels, pipelined_relative_error: the pipelined way, against the sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))

@@ -7,8 +7,7 @@
 
 bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, the
 configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist
-without and with async TP, and tdist with async TP choosing its ways on the step's own calls
-(TDIST_OVERLAP=trial) instead of timing them alone first. Tokens/s is the TP group's (tokens of
+without and with async TP. Tokens/s is the TP group's (tokens of
 a step over the step's time), the median over torchtitan's log windows (BENCH_LOG_FREQ steps,
 its default: it syncs the host at each logged step) after the first WARMUP steps (compiling,
 tuning); writes ``titan_<machine>.json``.
@@ -54,7 +53,6 @@ BENCH_CONFIGS = {  # name: (backend, async TP, environment of the run)
     "nccl_async_tp": ("nccl", True, {}),
     "tdist": ("tdist", False, {}),  # (tdist's collectives alone, for diagnosis)
     "tdist_async_tp": ("tdist", True, {}),
-    "tdist_async_tp_trial": ("tdist", True, {"TDIST_OVERLAP": "trial"}),  # (ways chosen on the step's own calls)
 }
 
 
@@ -141,10 +139,10 @@ def bench(args):
         print({k: v for k, v in rows[-1].items() if k != "window_tokens_per_s"}, flush=True)
     by_name = {r["config"]: r for r in rows if "tokens_per_s" in r}
     ratios = {}
-    for tdist in ("tdist_async_tp", "tdist_async_tp_trial"):
-        for base in ("nccl", "nccl_async_tp"):
-            if tdist in by_name and base in by_name:
-                ratios[f"{tdist}_over_{base}"] = round(by_name[tdist]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
+    for base in ("nccl", "nccl_async_tp"):
+        if "tdist_async_tp" in by_name and base in by_name:
+            ratios[f"tdist_async_tp_over_{base}"] = round(
+                by_name["tdist_async_tp"]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
     print("ratios", ratios, flush=True)
     write_result(args.out, "titan", args.nproc, rows=rows, versions=_versions(), ratios=ratios,
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "

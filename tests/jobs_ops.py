@@ -150,16 +150,16 @@ def bad_input(rank, ws, case):
     return None, "no error"
 
 
-def tuned_choices(rank, ws, seed, calls=2):
-    """``calls`` calls of each op on a tuning group (TDIST_OVERLAP=tune or trial), each checked
-    against references; returns what the group chose per shape class, and how many overlapped
-    calls the last calls made."""
+def tuned_choices(rank, ws, seed):
+    """Two calls of each op on a TDIST_OVERLAP=tune group, each checked against references;
+    returns what the group chose per shape class, and how many overlapped calls the second
+    calls made."""
     chk = Checker(rank, "tuned ops")
     executor = torch_tdist.get_executor()
     m, k, n = 20, 24, 18
     a_full = _operand([ws * m, k], torch.float32, seed, 1)
     b = _operand([k, n], torch.float32, seed, 2 + rank)
-    for _ in range(calls):
+    for _ in range(2):
         before = sum(executor.fused_calls.values())
         _close(chk, torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b), a_full.double() @ b.double(),
                "all_gather_matmul")

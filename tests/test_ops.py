@@ -143,20 +143,15 @@ def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed)
 
 
 @ws_param([2, 3])
-@pytest.mark.parametrize("policy", ["tune", "trial"])
-def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed, policy):
+def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     """TDIST_OVERLAP=tune: a shape class's first call times the sequential path, the pipelined
-    way and the fused kernels on every rank; "trial": its first calls take those ways in turn
-    (TRIAL_CALLS each), the next one chooses. All ranks keep the same choice, and the calls after
-    use it without timing again (one call per op: at most one overlapped call each); every call's
-    result is right."""
-    from torch_tdist.ops import TRIAL_CALLS, _ways
-
-    calls = 2 if policy == "tune" else TRIAL_CALLS * (1 + len(_ways())) + 2
-    pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {policy})",
-                    env={"TDIST_OVERLAP": policy})
+    way and the fused kernels on every rank; all ranks keep the same choice, and the second call
+    uses it without timing again (one call per op: at most one overlapped call each); every
+    call's result is right."""
+    pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, tune)",
+                    env={"TDIST_OVERLAP": "tune"})
     try:
-        results = pool.run(J.tuned_choices, seed, calls, timeout=240)
+        results = pool.run(J.tuned_choices, seed, timeout=240)
         pool.run(J.uneven_columns, seed, timeout=120)  # a weight width only one rank has: no hang
     finally:
         pool.shutdown()
@@ -166,35 +161,3 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed, policy):
     assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"
     expected = sum(way != "sequential" for _, way in choices)
     assert all(r[1] == expected for r in results), f"second calls made {[r[1] for r in results]} fused calls"
-
-
-def test_trials_time_every_way_on_every_shape():
-    """TDIST_OVERLAP=trial's bookkeeping: each exact shape of a class takes the ways in turn
-    (two shapes met alternately, as a model's q/k/v and feed-forward gathers share a class), the
-    verdict is complete only once every shape has TRIAL_CALLS timings of every way, and a way's
-    time is the sum over shapes of its median."""
-    from torch_tdist.ops import TRIAL_CALLS, _Trials
-
-    class Timed:
-        def __init__(self, seconds):
-            self._seconds = seconds
-
-        def seconds(self):
-            return self._seconds
-
-    names = ["sequential", "pipelined 2", "fused 0"]
-    cost = {"sequential": 3.0, "pipelined 2": 2.0, "fused 0": 5.0}
-    weight = {"small": 1.0, "large": 10.0}
-    trials = _Trials(names)
-    seen = {"small": [], "large": []}
-    for call in range(2 * TRIAL_CALLS * len(names)):
-        complete, _ = trials.verdict()
-        assert not complete, f"complete after {call} calls"
-        shape = "small" if call % 2 == 0 else "large"
-        way = trials.next_way(shape)
-        seen[shape].append(way)
-        trials.record(shape, way, Timed(cost[way] * weight[shape]))
-    for shape, ways in seen.items():
-        assert ways == names * TRIAL_CALLS, (shape, ways)
-    complete, times = trials.verdict()
-    assert complete and times == [cost[n] * 11.0 for n in names], times

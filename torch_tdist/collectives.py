@@ -73,10 +73,8 @@ ALGORITHMS = ("auto", "oneshot", "bulk")
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
 # group times the sequential path and every way of the other two, and keeps the fastest),
-# "trial" (the same choice made on the job's own calls: a shape's first calls take the ways in
-# turn, timed where they run, then the fastest is kept; an experiment to compare with "tune"),
 # "auto": tune on GPUs, sequential on the CPU (the interpreter's kernels are slow).
-OVERLAPS = ("auto", "fused", "pipelined", "sequential", "tune", "trial")
+OVERLAPS = ("auto", "fused", "pipelined", "sequential", "tune")
 PIPELINE_CHUNKS = (2,) if language.INTERPRET else (2, 1, 4)  # chunks per rank's part; the first is "pipelined"'s
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".
@@ -159,8 +157,7 @@ class Executor:
         # region, regions, word of the first stuck record, records)
         self.abort_page_layout = (language.PAGE_REGIONS.value, language.MAX_REGIONS.value,
                                   language.PAGE_STUCK.value, language.STUCK_RECORDS.value)
-        self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune", "trial")
-        self.trials = {}  # torch_tdist.ops ("trial"): shape class -> its ops._Trials, until chosen
+        self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to

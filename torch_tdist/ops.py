@@ -18,15 +18,13 @@ torch.matmul takes the ones that have landed, ``Executor.all_gather_matmul_pipel
 ``matmul_reduce_scatter_pipelined``); or fused (one Triton kernel computes tiles as their chunks
 land, ``Executor.all_gather_matmul`` / ``matmul_reduce_scatter``), one of their tile configs.
 With "tune" the group times them all on a shape's first call and keeps the fastest, so a shape
-where overlap cannot pay stays sequential; with "trial" it times them on the shape's first real
-calls instead, each way serving TRIAL_CALLS of them. The overlapped ways gather or scatter rows: another
+where overlap cannot pay stays sequential. The overlapped ways gather or scatter rows: another
 ``gather_dim`` / ``scatter_dim`` is moved to the front first (free when the dimensions before it
 have size 1, a copy otherwise) and back after.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import statistics
 import time
@@ -104,8 +102,6 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 TUNE_RUNS = 5  # calls of a way timed together, after one warm-up, when a shape class is tuned
 TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
-TRIAL_CALLS = 3  # "trial": the calls of each exact shape each way serves before the group keeps one
-TRIAL_CHECKS = 8  # "trial": the agreements after which a class is decided on the shapes complete
 
 
 def _rows_class(t: Tensor) -> int:
@@ -121,9 +117,9 @@ def _ways() -> dict:
             **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
 
 
-def _run(group, key, shapes, sequential, overlapped):
+def _run(group, key, sequential, overlapped):
     """The op's result, computed the way the group's policy says (module docstring). ``key``:
-    the shape class (the same on every rank), ``shapes``: this call's exact shapes.
+    the shape class (the same on every rank).
     ``overlapped(way)``: the op overlapped one of ``_ways()``'s ways, None where it cannot run;
     ``overlapped`` None: it cannot for this call."""
     executor = get_executor(group)
@@ -139,8 +135,6 @@ def _run(group, key, shapes, sequential, overlapped):
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
-        if policy == "trial":
-            return _trial(group, executor, key, shapes, ways)
         choice = executor.tuned[key] = _fastest(group, executor.heap.device, ways)
     return _or_sequential(ways[choice](), sequential)
 
@@ -169,83 +163,6 @@ def _fastest(group, device: torch.device, ways: dict) -> str:
                            dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return _choose(list(ways), slowest.cpu())
-
-
-def _trial(group, executor, key, shapes, ways: dict):
-    """TDIST_OVERLAP=trial: the shape class's calls take the ways in turn, each timed on the
-    caller's stream (host time that leaves the GPU waiting counts), until every way has served
-    TRIAL_CALLS calls of each exact shape the class met; then the group keeps the way whose
-    summed median times are least, as ``_choose`` picks. The ranks agree on that moment at every
-    (TRIAL_CALLS x ways)-th call of the class, the same call on every rank (the job makes the same
-    calls of a class on every rank, though the shapes of a rank's shard may differ); a class
-    still short after TRIAL_CHECKS of those is decided on the shapes complete."""
-    names = list(ways)
-    trials = executor.trials.setdefault(key, _Trials(names))
-    if trials.calls and trials.calls % (TRIAL_CALLS * len(names)) == 0:
-        complete, times = trials.verdict()
-        verdict = torch.tensor([0.0 if complete else 1.0, *times], dtype=torch.float64, device=executor.heap.device)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
-        if verdict[0] == 0 or trials.calls >= TRIAL_CHECKS * TRIAL_CALLS * len(names):
-            del executor.trials[key]
-            choice = executor.tuned[key] = _choose(names, verdict[1:].cpu())
-            return _or_sequential(ways[choice](), ways["sequential"])
-    name = trials.next_way(shapes)
-    timer = _Timer(executor.heap.device)
-    result = ways[name]()
-    trials.record(shapes, name, timer.stop(ran=result is not None))
-    return _or_sequential(result, ways["sequential"])
-
-
-class _Trials:
-    """One shape class's calls under TDIST_OVERLAP=trial: each exact shape takes the ways in
-    turn (so that every way is timed on the same shapes)."""
-
-    def __init__(self, names: list):
-        self.names, self.calls = names, 0
-        self.timers = collections.defaultdict(lambda: collections.defaultdict(list))  # shapes -> way -> timers
-
-    def next_way(self, shapes) -> str:
-        by_way = self.timers[shapes]
-        return self.names[sum(map(len, by_way.values())) % len(self.names)]
-
-    def record(self, shapes, name: str, timer: "_Timer"):
-        self.timers[shapes][name].append(timer)
-        self.calls += 1
-
-    def verdict(self) -> tuple[bool, list]:
-        """(whether every shape met has TRIAL_CALLS timings of every way, per way the sum over
-        the shapes that have of the way's median time; inf where none has)."""
-        complete = [by_way for by_way in self.timers.values()
-                    if all(len(by_way[n]) >= TRIAL_CALLS for n in self.names)]
-        times = [sum(statistics.median(t.seconds() for t in by_way[n]) for by_way in complete) if complete
-                 else math.inf for n in self.names]
-        return bool(complete) and len(complete) == len(self.timers), times
-
-
-class _Timer:
-    """One call's time on the current stream: CUDA events on a GPU, the host clock on the CPU
-    (whose ops finish before they return); inf for a call the way could not serve."""
-
-    def __init__(self, device: torch.device):
-        self.events = None
-        if device.type == "cuda":
-            self.events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-            self.events[0].record()
-        self.host_start, self.host_seconds, self.ran = time.perf_counter(), None, True
-
-    def stop(self, ran: bool) -> "_Timer":
-        if self.events:
-            self.events[1].record()
-        self.host_seconds, self.ran = time.perf_counter() - self.host_start, ran
-        return self
-
-    def seconds(self) -> float:
-        if not self.ran:
-            return math.inf
-        if self.events:
-            self.events[1].synchronize()
-            return self.events[0].elapsed_time(self.events[1]) / 1e3
-        return self.host_seconds
 
 
 def _choose(names: list, slowest) -> str:
@@ -318,8 +235,7 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
         return a_full, [torch.matmul(a_full, b) for b in bs]
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
-    shapes = (tuple(a_shard.shape), *(tuple(b.shape) for b in bs))
-    return _run(group, key, shapes, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim))
+    return _run(group, key, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim))
 
 
 def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple, dim: int):
@@ -389,8 +305,7 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
     dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
-    return _run(group, key, (tuple(a.shape), tuple(b.shape)),
-                lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
+    return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
                 lambda way: _overlapped_matmul_reduce_scatter(a, b, group, reduce_op, way, dim))
 
 
