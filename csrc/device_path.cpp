@@ -28,16 +28,6 @@ using DriverLaunch = int (*)(
     void** params,
     void** extra);
 
-void enqueueWait(
-    const c10::Stream& earlier,
-    const c10::Stream& later,
-    EventPool& events) {
-  auto ready = events.take(earlier.device_type());
-  ready->record(earlier);
-  ready->block(later); // (the wait is enqueued: the event may be recorded anew)
-  events.give(std::move(ready));
-}
-
 } // namespace
 
 void* driverSymbol(const char* name) {
@@ -100,6 +90,15 @@ void EventPool::give(std::unique_ptr<c10::Event> event) {
   free_.push_back(std::move(event));
 }
 
+std::shared_ptr<c10::Event> EventPool::record(const c10::Stream& stream) {
+  auto event = take(stream.device_type());
+  event->record(stream);
+  return std::shared_ptr<c10::Event>(
+      event.release(), [pool = shared_from_this()](c10::Event* e) {
+        pool->give(std::unique_ptr<c10::Event>(e));
+      });
+}
+
 StreamScope::StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events)
     : comm_(comm),
       caller_(guardFor(comm.device_type()).getStream(comm.device())),
@@ -107,8 +106,12 @@ StreamScope::StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events)
   if (onCallerStream()) {
     return;
   }
-  // (while the caller captures a CUDA graph, this wait brings comm_ into it)
-  enqueueWait(caller_, comm_, *events_);
+  auto ready = events_->take(comm.device_type());
+  ready->record(caller_);
+  // (the wait is enqueued: the event may be recorded anew; while the caller
+  // captures a CUDA graph, this wait brings comm_ into the capture)
+  ready->block(comm_);
+  events_->give(std::move(ready));
   guardFor(comm.device_type()).exchangeStream(comm_);
 }
 
@@ -118,23 +121,12 @@ StreamScope::~StreamScope() {
   }
 }
 
-std::unique_ptr<c10::Event> StreamScope::recordEnd() const {
-  auto end = events_->take(comm_.device_type());
-  end->record(comm_);
-  return end;
+std::shared_ptr<c10::Event> StreamScope::recordEnd() const {
+  return events_->record(comm_);
 }
 
 c10::Stream currentStream(const c10::Device& device) {
   return guardFor(device.type()).getStream(device);
-}
-
-void orderAfter(
-    const c10::Stream& earlier,
-    const c10::Stream& later,
-    EventPool& events) {
-  if (streamIsCapturing(earlier) == streamIsCapturing(later)) {
-    enqueueWait(earlier, later, events);
-  }
 }
 
 c10::Stream newCommStream(const c10::Device& device) {

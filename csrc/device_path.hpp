@@ -4,9 +4,9 @@
 // - StreamScope: an async call's kernels run on the group's own stream,
 //   after everything the caller's current stream had queued; a call the
 //   caller waits for at once runs on the caller's stream (NCCL's semantics
-//   both). ProcessGroupTDist orders a call after the last one when their
-//   streams differ, so a group's launches on a rank run in one order, which
-//   the kernels' epoch signals rely on.
+//   both). ProcessGroupTDist makes a call on another stream than the group's
+//   previous call wait for that call's end, so the group's collectives on a
+//   rank run in one order, which the kernels' epoch signals rely on.
 // - LaunchPlan: the one kernel launch that served a call, as Python's
 //   executor made it the first time, replayed from C++ for later calls of the
 //   same shape with only the input and output pointers changed: no Python,
@@ -29,10 +29,13 @@ namespace tdist {
 
 // Events to reuse: creating and destroying one costs about a microsecond
 // each, a good part of a small collective's host time.
-class EventPool {
+class EventPool : public std::enable_shared_from_this<EventPool> {
  public:
   std::unique_ptr<c10::Event> take(c10::DeviceType type);
   void give(std::unique_ptr<c10::Event> event);
+  // An event recorded on `stream` now; back in the pool when its last holder
+  // drops it (the pool must be owned by a shared_ptr).
+  std::shared_ptr<c10::Event> record(const c10::Stream& stream);
 
  private:
   std::mutex mutex_;
@@ -48,9 +51,8 @@ class StreamScope {
   StreamScope(const StreamScope&) = delete;
   StreamScope& operator=(const StreamScope&) = delete;
 
-  // An event recorded on the group's stream after the call's work; give it
-  // back to events() when done with it.
-  std::unique_ptr<c10::Event> recordEnd() const;
+  // An event recorded on the call's stream after its work.
+  std::shared_ptr<c10::Event> recordEnd() const;
   const c10::Stream& stream() const {
     return comm_;
   }
@@ -72,14 +74,6 @@ c10::Stream newCommStream(const c10::Device& device);
 
 // The calling thread's current stream on `device`.
 c10::Stream currentStream(const c10::Device& device);
-
-// Makes `later` wait for what `earlier` has queued so far (skipped when only
-// one of them is capturing a CUDA graph: a capture cannot wait on work
-// outside it).
-void orderAfter(
-    const c10::Stream& earlier,
-    const c10::Stream& later,
-    EventPool& events);
 
 // A symbol of the CUDA driver library torch loaded (taken at run time, so the
 // extension builds without a CUDA toolkit).

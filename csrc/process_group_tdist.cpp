@@ -428,26 +428,20 @@ TDistWork::TDistWork(
       inputs_(inputs),
       outputs_(std::move(outputs)) {}
 
-TDistWork::~TDistWork() {
-  if (end_ && events_) {
-    events_->give(std::move(end_));
-  }
-}
-
 void TDistWork::startOnStream(
-    c10::Stream comm,
+    c10::Stream stream,
     std::shared_ptr<EventPool> events,
-    bool blockHost) {
-  comm_ = comm;
-  events_ = events;
-  scope_.emplace(comm, std::move(events));
+    bool blockHost,
+    bool captured) {
+  comm_ = stream;
+  scope_.emplace(stream, std::move(events));
   blockHost_ = blockHost;
+  captured_ = captured;
 }
 
 void TDistWork::markDone() {
   bool onCaller = true;
   if (scope_) {
-    captured_ = streamIsCapturing(scope_->stream());
     end_ = scope_->recordEnd();
     onCaller = scope_->onCallerStream();
   }
@@ -1024,15 +1018,19 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
   }
   if (device && device->type() != c10::kCPU) {
     // NCCL's choice: a call the caller waits for at once runs on the caller's
-    // stream (no event hops between streams), an async one on the group's.
+    // stream (no event hand-over between streams), an async one on the
+    // group's. Inside a CUDA graph capture every call takes the group's
+    // stream, where the capture keeps them in order.
     auto caller = currentStream(*device);
-    auto stream = asyncOp ? commStream(*device) : caller;
-    if (lastStream_ && *lastStream_ != stream &&
-        !(stream == commStream(*device) && *lastStream_ == caller)) {
-      orderAfter(*lastStream_, stream, *events_);
+    bool capturing = streamIsCapturing(caller);
+    auto comm = commStream(*device);
+    auto stream = asyncOp || capturing ? comm : caller;
+    // (an async call after one on the caller's stream already waits for it)
+    if (!capturing && lastEnd_ && *lastStream_ != stream &&
+        !(stream == comm && *lastStream_ == caller)) {
+      lastEnd_->block(stream);
     }
-    lastStream_ = stream;
-    work->startOnStream(stream, events_, op == Op::Barrier);
+    work->startOnStream(stream, events_, op == Op::Barrier, capturing);
   }
   return work;
 }
@@ -1045,6 +1043,8 @@ WorkPtr ProcessGroupTDist::finishWork(
   work->setSequenceNumber(++seq_);
   work->markDone();
   if (work->watchable()) {
+    lastStream_ = work->stream();
+    lastEnd_ = work->end();
     std::call_once(watchdogStarted_, [this] {
       watchdog_ = std::make_unique<Watchdog>(
           [this](const char* name, std::chrono::milliseconds timeout) {

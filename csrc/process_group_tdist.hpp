@@ -70,12 +70,12 @@ class TDistWork : public c10d::Work {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
 
-  ~TDistWork() override;
-
+  // `captured`: whether the caller's stream is capturing a CUDA graph.
   void startOnStream(
-      c10::Stream comm,
+      c10::Stream stream,
       std::shared_ptr<EventPool> events,
-      bool blockHost);
+      bool blockHost,
+      bool captured);
   void markDone();
 
   // GPU: the caller's current stream waits for the call (the host too for a
@@ -93,6 +93,13 @@ class TDistWork : public c10d::Work {
   void fail(const std::string& reason);
   // Whether the call went onto a GPU stream outside a CUDA graph capture.
   bool watchable() const;
+  // The stream the call ran on and the event after its work (GPU calls).
+  const std::optional<c10::Stream>& stream() const {
+    return comm_;
+  }
+  const std::shared_ptr<c10::Event>& end() const {
+    return end_;
+  }
 
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -106,9 +113,8 @@ class TDistWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_ = 0;
   std::optional<StreamScope> scope_; // while the call is being issued
-  std::optional<c10::Stream> comm_;
-  std::shared_ptr<EventPool> events_;
-  std::unique_ptr<c10::Event> end_;
+  std::optional<c10::Stream> comm_; // the stream the call ran on
+  std::shared_ptr<c10::Event> end_;
   bool blockHost_ = false;
   bool captured_ = false;
   std::string failure_; // set by the watchdog
@@ -368,9 +374,10 @@ class ProcessGroupTDist : public c10d::Backend {
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
-  // Where the group's last GPU call ran: a call on another stream first waits
-  // for it, so the group's launches on a rank keep one order.
+  // The group's last GPU call outside a CUDA graph capture, where it ran and
+  // its end: a call on another stream first waits for it.
   std::optional<c10::Stream> lastStream_;
+  std::shared_ptr<c10::Event> lastEnd_;
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;

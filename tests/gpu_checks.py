@@ -242,18 +242,23 @@ def stream_changes(tg, rank, world, device, gen):
     """Calls of one group on three streams with no user synchronisation between the group's
     calls: an async all_reduce on the group's stream held back by matmuls on the caller's, then
     a synchronous all_gather on a second stream that does not wait for the caller's, then a
-    synchronous reduce_scatter on the caller's stream. The group orders each call after the
-    previous one (its kernels' signals rely on that order), so every result matches NCCL's."""
+    synchronous reduce_scatter on the caller's stream, then a synchronous all_reduce on the
+    second stream held back by matmuls there, then an async all_reduce from the caller's. The
+    group orders each call after the previous one (its kernels' signals rely on that order), so
+    every result matches NCCL's."""
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16, generator=gen)
     side = torch.cuda.Stream(device)
     served = {op: torch_tdist.stats(tg)[op]["tdist"] for op in ("all_reduce", "all_gather_into_tensor",
                                                                  "reduce_scatter_tensor")}
-    for trial in range(20):
-        x = torch.randn(65536, device=device, generator=gen)
+    rounds = 20
+    for trial in range(rounds):
+        x, v, w = (torch.randn(65536, device=device, generator=gen) for _ in range(3))
         y = torch.randn(4096, device=device, generator=gen)
         z = torch.randn(4096 * world, device=device, generator=gen)
-        want_x, want_y, want_z = x.clone(), torch.empty(4096 * world, device=device), torch.empty(4096, device=device)
-        dist.all_reduce(want_x)
+        want_x, want_v, want_w = x.clone(), v.clone(), w.clone()
+        want_y, want_z = torch.empty(4096 * world, device=device), torch.empty(4096, device=device)
+        for t in (want_x, want_v, want_w):
+            dist.all_reduce(t)
         dist.all_gather_into_tensor(want_y, y)
         dist.reduce_scatter_tensor(want_z, z)
         got_y, got_z = torch.full_like(want_y, 7), torch.full_like(want_z, 7)
@@ -264,14 +269,22 @@ def stream_changes(tg, rank, world, device, gen):
         with torch.cuda.stream(side):
             dist.all_gather_into_tensor(got_y, y, group=tg)
         dist.reduce_scatter_tensor(got_z, z, group=tg)
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                a @ a
+            dist.all_reduce(w, group=tg)
+        work_v = dist.all_reduce(v, group=tg, async_op=True)
         work.wait()
+        work_v.wait()
         torch.cuda.current_stream().wait_stream(side)
         _check(f"async all_reduce before a call on another stream #{trial}", x, want_x)
         _check(f"all_gather on a side stream #{trial}", got_y, want_y)
         _check(f"reduce_scatter back on the caller's stream #{trial}", got_z, want_z)
-    for op, before in served.items():
+        _check(f"all_reduce on the side stream after matmuls there #{trial}", w, want_w)
+        _check(f"async all_reduce from the caller's stream after it #{trial}", v, want_v)
+    for op, calls in (("all_reduce", 3 * rounds), ("all_gather_into_tensor", rounds), ("reduce_scatter_tensor", rounds)):
         _check(f"{op} served by tdist on every stream", torch.tensor(torch_tdist.stats(tg)[op]["tdist"]),
-               torch.tensor(before + 20))
+               torch.tensor(served[op] + calls))
 
 
 def _captured(calls, warmups):

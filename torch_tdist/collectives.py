@@ -253,6 +253,8 @@ class Executor:
                 self._tables.clear()
             table = torch.tensor(values, dtype=torch.int64, device=device)
             self._tables[key] = table
+        if table.is_cuda:  # calls on other streams may use it: not freed before their work is done
+            table.record_stream(torch.cuda.current_stream(device))
         return table
 
     def _begin(self, op: str, tensor: torch.Tensor | None):
