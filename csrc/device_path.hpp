@@ -53,12 +53,6 @@ class StreamScope {
 
   // An event recorded on the call's stream after its work.
   std::shared_ptr<c10::Event> recordEnd() const;
-  const c10::Stream& stream() const {
-    return comm_;
-  }
-  const std::shared_ptr<EventPool>& events() const {
-    return events_;
-  }
   bool onCallerStream() const {
     return comm_ == caller_;
   }
