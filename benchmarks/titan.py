@@ -48,11 +48,11 @@ PROFILED_STEP = 10  # profile: the step traced
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 
-BENCH_CONFIGS = {  # name: (backend, async TP, environment of the run)
-    "nccl": ("nccl", False, {}),
-    "nccl_async_tp": ("nccl", True, {}),
-    "tdist": ("tdist", False, {}),  # (tdist's collectives alone, for diagnosis)
-    "tdist_async_tp": ("tdist", True, {}),
+BENCH_CONFIGS = {  # name: (backend, async TP)
+    "nccl": ("nccl", False),
+    "nccl_async_tp": ("nccl", True),
+    "tdist": ("tdist", False),  # (tdist's collectives alone, for diagnosis)
+    "tdist_async_tp": ("tdist", True),
 }
 
 
@@ -95,9 +95,9 @@ def _configs(args) -> list[str]:
 
 
 def _env(args, name: str) -> dict:
-    """The configuration's environment, and the --tdist-env settings (K=V) for tdist's runs."""
-    backend, _, env = BENCH_CONFIGS[name]
-    return {**env, **(dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {})}
+    """The configuration's environment: the --tdist-env settings (K=V), for tdist's runs."""
+    backend, _ = BENCH_CONFIGS[name]
+    return dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {}
 
 
 def _versions() -> dict:
@@ -111,7 +111,7 @@ def bench(args):
     errors = {}
     for repeat in range(args.repeat):  # round robin: a drift of the machine touches every configuration
         for name in names:
-            backend, async_tp, _ = BENCH_CONFIGS[name]
+            backend, async_tp = BENCH_CONFIGS[name]
             log = os.path.join(args.out, f"titan_{name}{f'_{repeat}' if args.repeat > 1 else ''}.log")
             steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, log, _env(args, name),
                                            BENCH_LOG_FREQ)
@@ -186,7 +186,7 @@ def profile(args):
              "--profiling.profile_freq", str(PROFILED_STEP)]
     rows = []
     for name in _configs(args):
-        backend, async_tp, _ = BENCH_CONFIGS[name]
+        backend, async_tp = BENCH_CONFIGS[name]
         folder = f"/tmp/titan_{backend}"
         shutil.rmtree(os.path.join(folder, "profile_traces"), ignore_errors=True)
         steps, stats, code = run_titan(backend, async_tp, flags, args.nproc,

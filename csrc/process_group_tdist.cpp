@@ -433,7 +433,7 @@ void TDistWork::startOnStream(
     std::shared_ptr<EventPool> events,
     bool blockHost,
     bool captured) {
-  comm_ = stream;
+  stream_ = stream;
   scope_.emplace(stream, std::move(events));
   blockHost_ = blockHost;
   captured_ = captured;
@@ -463,7 +463,7 @@ bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
       end_->synchronize();
     } else {
       auto caller = currentStream(end_->device());
-      if (caller != *comm_) {
+      if (caller != *stream_) {
         end_->block(caller);
       }
     }
@@ -524,9 +524,9 @@ c10::intrusive_ptr<c10::ivalue::Future> TDistWork::getFuture() {
   }
   future_ = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
-  if (comm_) {
-    c10::impl::VirtualGuardImpl impl(comm_->device_type());
-    auto caller = impl.exchangeStream(*comm_);
+  if (stream_) {
+    c10::impl::VirtualGuardImpl impl(stream_->device_type());
+    auto caller = impl.exchangeStream(*stream_);
     future_->markCompleted(c10::IValue(outputs_));
     impl.exchangeStream(caller);
   } else {

@@ -95,7 +95,7 @@ class TDistWork : public c10d::Work {
   bool watchable() const;
   // The stream the call ran on and the event after its work (GPU calls).
   const std::optional<c10::Stream>& stream() const {
-    return comm_;
+    return stream_;
   }
   const std::shared_ptr<c10::Event>& end() const {
     return end_;
@@ -113,7 +113,7 @@ class TDistWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_ = 0;
   std::optional<StreamScope> scope_; // while the call is being issued
-  std::optional<c10::Stream> comm_; // the stream the call ran on
+  std::optional<c10::Stream> stream_; // the stream the call ran on
   std::shared_ptr<c10::Event> end_;
   bool blockHost_ = false;
   bool captured_ = false;

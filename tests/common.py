@@ -285,3 +285,16 @@ def stats_diff(before, after):
         if d["tdist"] or d["fallback"]:
             out[op] = d
     return out
+
+
+def new_group_with_env(backend: str, env: dict | None = None):
+    """``dist.new_group(backend=backend)`` made with ``env`` set (the options a tdist group reads
+    when it is made), ``env`` removed again after."""
+    import torch.distributed as dist
+
+    os.environ.update(env or {})
+    try:
+        return dist.new_group(backend=backend)
+    finally:
+        for key in env or {}:
+            del os.environ[key]

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
+from tests.common import new_group_with_env  # noqa: E402
 from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
@@ -418,13 +419,8 @@ def fused_ops(tg, rank, world, device, gen):
 
 
 def _tdist_group(env: dict):
-    """A new tdist group created with ``env`` set (the options a group reads when it is made)."""
-    os.environ.update(env)
-    try:
-        return dist.new_group(backend="tdist")
-    finally:
-        for key in env:
-            del os.environ[key]
+    """A new tdist group created with ``env`` set."""
+    return new_group_with_env("tdist", env)
 
 
 def _ops_against_nccl(tg, label, rank, world, device, gen):

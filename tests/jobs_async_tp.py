@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import torch_tdist
-from tests.common import Checker, rand, rank_gen, shared_gen
-from tests.jobs_parallel import DIM, FeedForward, _group, _mesh, _step
+from tests.common import Checker, new_group_with_env, rand, rank_gen, shared_gen
+from tests.jobs_parallel import DIM, FeedForward, _mesh, _step
 
 
 def _gathered(x, dim, group):
@@ -45,8 +45,8 @@ def fused_ops_dispatch(rank, ws, seed):
 
     chk = Checker(rank, "async_tp fused ops")
     chk.true(not torch._inductor.config._micro_pipeline_tp, "off before enable", "the pass was on already")
-    tdist_group = _group("tdist", {"TDIST_OVERLAP": "pipelined"})
-    gloo_group = _group("gloo")
+    tdist_group = new_group_with_env("tdist", {"TDIST_OVERLAP": "pipelined"})
+    gloo_group = new_group_with_env("gloo")
     async_tp.enable(tdist_group)
     chk.true(torch._inductor.config._micro_pipeline_tp, "pass on", "enable() left the pass off")
     chk.true(is_symm_mem_enabled_for_group(tdist_group.group_name), "symm_mem enabled", "not for the tdist group")
@@ -131,7 +131,7 @@ def compiled_mlp(rank, ws, seed, batch):
 
     dist.is_nccl_available = lambda: True  # (module docstring)
     chk = Checker(rank, "async_tp compiled MLP")
-    tdist_group = _group("tdist", {"TDIST_OVERLAP": "pipelined"})
+    tdist_group = new_group_with_env("tdist", {"TDIST_OVERLAP": "pipelined"})
     async_tp.enable(_mesh(tdist_group, f"async tp {seed}"))
     torch.manual_seed(seed)
     eager = FeedForward()

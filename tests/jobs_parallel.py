@@ -10,7 +10,6 @@ linears sharing one input gathered it once.
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_tdist
-from tests.common import Checker, rand, shared_gen
+from tests.common import Checker, new_group_with_env, rand, shared_gen
 
 DIM, HEADS, HIDDEN = 32, 4, 64
 
@@ -103,15 +102,6 @@ def _mesh(group, name: str, device_type: str = "cpu"):
     return DeviceMesh.from_group(group, device_type, mesh_dim_names=(name,))
 
 
-def _group(backend: str, env: dict | None = None):
-    os.environ.update(env or {})
-    try:
-        return dist.new_group(backend=backend)
-    finally:
-        for key in env or {}:
-            del os.environ[key]
-
-
 def _step(module, x_local):
     """(output, input gradient, {parameter: local gradient}) of one forward and backward with
     loss = sum(output * a fixed random weight)."""
@@ -137,8 +127,8 @@ def styles_match_torch(rank, ws, seed, model):
     from torch_tdist import parallel as tdist_styles
 
     chk = Checker(rank, f"parallel styles, {model}")
-    tdist_group = _group("tdist", {"TDIST_OVERLAP": "pipelined"})
-    gloo_group = _group("gloo")
+    tdist_group = new_group_with_env("tdist", {"TDIST_OVERLAP": "pipelined"})
+    gloo_group = new_group_with_env("gloo")
     torch.manual_seed(seed)  # the same weights on every rank (the styles shard them)
     reference = MLP() if model == "mlp" else Block()
     ours = copy.deepcopy(reference)
@@ -184,8 +174,8 @@ def torch_style_elsewhere(rank, ws, seed):
     from torch_tdist import parallel as tdist_styles
 
     chk = Checker(rank, "parallel styles, unfused")
-    tdist_group = _group("tdist", {"TDIST_OVERLAP": "pipelined"})
-    gloo_group = _group("gloo")
+    tdist_group = new_group_with_env("tdist", {"TDIST_OVERLAP": "pipelined"})
+    gloo_group = new_group_with_env("gloo")
     executor = torch_tdist.get_executor(tdist_group)
     torch.manual_seed(seed)
     embed, mlp = nn.Embedding(16, DIM), MLP()

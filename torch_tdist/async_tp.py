@@ -35,7 +35,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import is_tdist_group
-from .ops import with_strides
+from .ops import _group as _resolve_group, with_strides
 
 __all__ = ["enable", "served"]
 
@@ -57,11 +57,16 @@ def enable(group_or_mesh=None) -> None:
                          f"{dist.get_backend(group)!r}; expected a tdist group (init_process_group('tdist') "
                          f"or a mesh/new_group of backend 'tdist')")
     _override_fused_ops()
-    with warnings.catch_warnings():  # torch calls this deprecated, yet its pass still asks for it
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group.group_name)
+    enable_symm_mem(group.group_name)
     torch._inductor.config._micro_pipeline_tp = True
     _install_gather_pass()
+
+
+def enable_symm_mem(group_name: str) -> None:
+    """What Inductor's micro-pipeline pass asks of a group before it fuses (for any backend)."""
+    with warnings.catch_warnings():  # torch calls this deprecated, yet its pass still asks for it
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group_name)
 
 
 def _group(group_or_mesh):
@@ -81,7 +86,7 @@ def _group(group_or_mesh):
 def _is_tdist(group_name: str) -> bool:
     known = _tdist_names.get(group_name)
     if known is None:
-        known = _tdist_names[group_name] = is_tdist_group(dist.distributed_c10d._resolve_process_group(group_name))
+        known = _tdist_names[group_name] = is_tdist_group(_resolve_group(group_name))
     return known
 
 

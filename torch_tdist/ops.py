@@ -255,7 +255,7 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
         return None
     lead = (world * moved.shape[0], *moved.shape[1:-1])
     widths = [w.shape[1] for w in bs]
-    outs = [out] if len(bs) == 1 else [part for part in out.split(widths, dim=1)]
+    outs = out.split(widths, dim=1)
     return (_row_major(a_full.view(*lead, k).movedim(0, dim)),
             [_row_major(o.reshape(*lead, w).movedim(0, dim)) for o, w in zip(outs, widths)])
 

@@ -42,10 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         argv += ["--model.hf_assets_path", write_tokenizer(os.path.join(_cache_dir(), "tokenizer"))]
     sys.argv = [sys.argv[0], *argv]  # before torchtitan is imported: its parser reads them then
     _stand_in_for_missing_modules()
-    import torch.distributed as dist
+    import torch.distributed as dist  # (the package's import registered the backend "tdist")
 
-    if backend == "tdist":
-        import torch_tdist  # noqa: F401  (registers the backend)
     # torchtitan's init_distributed picks the backend of its device type from this map
     dist.Backend.default_device_backend_map["cuda"] = backend
     _add_synthetic_dataset()
@@ -146,13 +144,10 @@ def _add_8b_flavors():
 
 
 def _serve_async_tp():
-    import warnings
-
     import torchtitan.distributed.tensor_parallel as tensor_parallel
     import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    from .async_tp import enable
+    from .async_tp import enable, enable_symm_mem
     from .backend import is_tdist_group
 
     titan_enable = tensor_parallel.maybe_enable_async_tp
@@ -164,9 +159,7 @@ def _serve_async_tp():
         if is_tdist_group(tp_mesh.get_group()):
             enable(tp_mesh)
         else:
-            with warnings.catch_warnings():  # deprecated in torch, yet its pass still asks for it
-                warnings.simplefilter("ignore", FutureWarning)
-                enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+            enable_symm_mem(tp_mesh.get_group().group_name)
 
     tensor_parallel.maybe_enable_async_tp = maybe_enable_async_tp
     llama3_parallelize.maybe_enable_async_tp = maybe_enable_async_tp  # (imported by name there)
