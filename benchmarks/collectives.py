@@ -4,7 +4,9 @@
 
 The default group is NCCL; a tdist group over the same ranks runs the same calls on the same
 tensors. Each (op, size) is timed with CUDA events around ``--iters`` calls issued back to back
-(median of 5 such loops, after ``--warmup``), and also one call at a time after a barrier.
+(median of 5 such loops, after ``--warmup``; the median of ``--rounds`` rounds, tdist and
+NCCL in turn in each, so that a slow moment of the host hits both), and also one call at a time
+after a barrier.
 Rank 0 writes ``collectives_<machine>.json`` (and prints a table of ratios).
 TDIST_GPU_SIZE_LIMITS=0 makes tdist's kernels serve every size (to measure them).
 """
@@ -93,8 +95,16 @@ def _time(op, group, inp, out, warmup, iters):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _time_loop(op, group, inp, out, iters):
-    return time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group, barrier_group=group)
+def _time_loops(op, groups: dict, inp, out, iters, rounds):
+    """name -> microseconds per call of ``groups[name]``'s back-to-back loops: the median over
+    ``rounds`` rounds, each timing every group in turn (a slow moment of the host then hits
+    every group, not one)."""
+    times = {name: [] for name in groups}
+    for _ in range(rounds):
+        for name, group in groups.items():
+            times[name].append(time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group,
+                                            barrier_group=group))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _host_overhead_us(group, device, calls=500):
@@ -117,6 +127,7 @@ def main():
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of loops, tdist and NCCL in turn")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--async-op", action="store_true",
                         help="call with async_op=True, then wait() (as code that overlaps calls does)")
@@ -141,9 +152,9 @@ def main():
             nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
             before = torch_tdist.stats(tdist_group)
             tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
-            tdist_loop_us = _time_loop(op, tdist_group, inp, out, args.iters)
+            loops = _time_loops(op, {"tdist": tdist_group, "nccl": None}, inp, out, args.iters, args.rounds)
             after = torch_tdist.stats(tdist_group)
-            nccl_loop_us = _time_loop(op, None, inp, out, args.iters)
+            tdist_loop_us, nccl_loop_us = loops["tdist"], loops["nccl"]
             name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
                     "all_to_all_moe": "all_to_all_single"}.get(op, op)
             served = "tdist" if after[name]["fallback"] == before[name]["fallback"] else "fallback"
@@ -168,7 +179,8 @@ def main():
         write_result(args.out, "collectives", world,
                      f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): {args.iters} calls "
                      f"back to back per timed loop (CUDA events), median of 5 loops, after {args.warmup} "
-                     f"warm-ups (nccl-tests' way). *_single_us: one call after a barrier, median of "
+                     f"warm-ups (nccl-tests' way); the median of {args.rounds} rounds, tdist and NCCL in "
+                     f"turn in each. *_single_us: one call after a barrier, median of "
                      f"{args.iters}: host launch time and rank skew included, noisy", rows,
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
