@@ -107,6 +107,42 @@ def _time_loops(op, groups: dict, inp, out, iters, rounds):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _time_graphs(op, groups: dict, inp, out, iters, rounds):
+    """name -> microseconds per call when ``iters`` calls captured in one CUDA graph are replayed:
+    the GPU's own time per call, with no host work between calls (how CUDA-graph users, inference
+    engines among them, run collectives); per round every group's graph in turn, the median of 5
+    replays each; the median round, the slowest rank's."""
+    current = torch.cuda.current_stream()
+    graphs = {}
+    for name, group in groups.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                _call(op, group, inp, out)
+        current.wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):
+            for _ in range(iters):
+                _call(op, group, inp, out)
+        graphs[name].replay()
+    torch.cuda.synchronize()
+    times = {name: [] for name in groups}
+    for _ in range(rounds):
+        for name, group in groups.items():
+            per_call = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                dist.barrier(group=group)
+                start.record()
+                graphs[name].replay()
+                end.record()
+                end.synchronize()
+                per_call.append(start.elapsed_time(end) * 1e3 / iters)
+            times[name].append(slowest(statistics.median(per_call), _cpu_group))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _host_overhead_us(group, device, calls=500):
     """CPU microseconds per 4 KB all_reduce when many are issued back to back."""
     x = torch.randn(1024, device=device)
@@ -129,6 +165,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of loops, tdist and NCCL in turn")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time the calls captured in a CUDA graph (tdist_graph_us, nccl_graph_us)")
     parser.add_argument("--async-op", action="store_true",
                         help="call with async_op=True, then wait() (as code that overlaps calls does)")
     args = parser.parse_args()
@@ -153,6 +191,8 @@ def main():
             before = torch_tdist.stats(tdist_group)
             tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
             loops = _time_loops(op, {"tdist": tdist_group, "nccl": None}, inp, out, args.iters, args.rounds)
+            if args.graph:
+                graphs = _time_graphs(op, {"tdist": tdist_group, "nccl": None}, inp, out, args.iters, args.rounds)
             after = torch_tdist.stats(tdist_group)
             tdist_loop_us, nccl_loop_us = loops["tdist"], loops["nccl"]
             name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
@@ -169,11 +209,15 @@ def main():
                          "tdist_single_us": round(tdist_us, 2), "nccl_single_us": round(nccl_us, 2),
                          "tdist_busbw_gbs": round(factor / tdist_loop_us, 1),
                          "nccl_busbw_gbs": round(factor / nccl_loop_us, 1)})
+            if args.graph:
+                rows[-1].update(tdist_graph_us=round(graphs["tdist"], 2), nccl_graph_us=round(graphs["nccl"], 2))
             if rank == 0:
                 r = rows[-1]
                 print(f"{op:<18}{r['bytes_per_rank']:>10} {served:<8} tdist {r['tdist_us']:>8.1f} us  "
                       f"nccl {r['nccl_us']:>8.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x  "
-                      f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us", flush=True)
+                      f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us" +
+                      (f"  graph: {r['tdist_graph_us']:>8.1f} / {r['nccl_graph_us']:>8.1f} us "
+                       f"({r['nccl_graph_us'] / r['tdist_graph_us']:4.2f}x)" if args.graph else ""), flush=True)
     if rank == 0:
         algorithm = os.environ.get("TDIST_ALGORITHM", "auto")
         write_result(args.out, "collectives", world,
@@ -181,7 +225,9 @@ def main():
                      f"back to back per timed loop (CUDA events), median of 5 loops, after {args.warmup} "
                      f"warm-ups (nccl-tests' way); the median of {args.rounds} rounds, tdist and NCCL in "
                      f"turn in each. *_single_us: one call after a barrier, median of "
-                     f"{args.iters}: host launch time and rank skew included, noisy", rows,
+                     f"{args.iters}: host launch time and rank skew included, noisy" +
+                     (f". *_graph_us: {args.iters} calls captured in one CUDA graph, per call of its replays "
+                      f"(median of 5, median round)" if args.graph else ""), rows,
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
                      host_overhead_us=overhead, async_op=args.async_op)

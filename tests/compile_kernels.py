@@ -29,7 +29,7 @@ ONESHOT_SIGNATURE = {"ctx": "*i64", "src": "*{dt}", "dst": "*{dt}", "box": "*{dt
                      "flags": "*i64", "words": "*i64", "counter": "*i64", "n": "i64", "stride": "i64",
                      "root": "i32", "call_word": "i64", "tables": "*i64", "MODE": "constexpr",
                      "WORLD": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr", "OP": "constexpr",
-                     "ACC": "constexpr", "MAXP": "constexpr"}
+                     "ACC": "constexpr", "MAXP": "constexpr", "LANES": "constexpr"}
 
 
 def _oneshot_specialisations():
@@ -44,7 +44,7 @@ def _oneshot_specialisations():
                 acc = ACC.get(dt, tl.float32) if mode in ("all_reduce", "reduce_scatter") else tl.float32
                 yield oneshot.oneshot_kernel, signature, {
                     "MODE": mode, "WORLD": world, "BLOCK": 8192, "ALIGN": align, "OP": op, "ACC": acc,
-                    "MAXP": 132}
+                    "MAXP": 132, "LANES": world}
 
 
 def specialisations():

@@ -55,3 +55,37 @@ def every_primitive(rank, ws, seed):
     assert slots.tolist() == [left + 1, left + 7, left + 3, 5], f"atomics on this rank's slots: {slots.tolist()}"
     assert olds.tolist() == [0, 0], f"atomic_cas/atomic_xchg returned {olds.tolist()}, expected the old zeros"
     assert sig.tolist() == [1, left + 11], f"notify did not set the signals: {sig.tolist()}"
+
+
+@tdl.jit
+def _every_rank_at_once(ctx, board, sig, got, top, base, epoch, LANES: tl.constexpr):
+    me = tdl.rank(ctx)
+    lanes = tl.arange(0, LANES)
+    live = lanes < tdl.num_ranks(ctx)
+    to_rank = tl.where(live, lanes, 0)
+    tdl.store(ctx, board + me, base + 100 * me + to_rank, to_rank, mask=live)  # rank d's board[me]
+    tdl.notify(ctx, sig + me, to_rank, epoch, mask=live)                     # rank d's sig[me] = epoch
+    tdl.wait_all(ctx, sig + to_rank, epoch, live)                            # every rank's stores landed
+    values = tl.load(board + lanes, mask=live, other=0)
+    tl.store(got + lanes, values, mask=live)
+    tl.store(top, tdl.largest(tl.where(live, values, -1)))
+
+
+def every_rank_at_once(rank, ws, seed):
+    """notify to a block of ranks, wait_all on a block of signals, largest: every rank writes a
+    value for each rank into that rank's board, signals all of them at once, waits for all."""
+    heap = torch_tdist.get_heap()
+    lanes = 1 << (ws - 1).bit_length()
+    board, sig = heap.empty(lanes, torch.int64), heap.empty(lanes, torch.int64)
+    got, top = torch.full((lanes,), -7, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    base = seed % 1000
+    board.fill_(-1)
+    sig.zero_()
+    dist.barrier()
+    _every_rank_at_once[(1,)](heap.ctx, board, sig, got, top, base, 3, LANES=lanes)
+    want = [base + 100 * s + rank for s in range(ws)]
+    assert got[:ws].tolist() == want, f"board after wait_all: {got[:ws].tolist()}, expected {want}"
+    assert got[ws:].tolist() == [-7] * (lanes - ws), "lanes past the group were written"
+    assert sig[:ws].tolist() == [3] * ws, f"notify did not reach every slot: {sig.tolist()}"
+    assert top.item() == max(want), f"largest gave {top.item()}, expected {max(want)}"
+    dist.barrier()  # no peer still writes into this rank's board when the job returns

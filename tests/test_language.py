@@ -10,3 +10,9 @@ from tests.helpers import ws_param
 @ws_param()
 def test_every_primitive(pool, seed):
     pool.run(J.every_primitive, seed)
+
+
+@pytest.mark.tdist_only
+@ws_param()
+def test_signals_to_and_from_every_rank_at_once(pool, seed):
+    pool.run(J.every_rank_at_once, seed)

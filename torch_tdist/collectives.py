@@ -17,6 +17,7 @@ import os
 from datetime import timedelta
 
 import torch
+import triton
 import triton.language as tl
 
 from . import language
@@ -331,7 +332,8 @@ class Executor:
                      MODE=mode, WORLD=self.world_size, BLOCK=block,
                      ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      OP="sum" if copy else reduce_op,
-                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS, **meta)
+                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
+                     LANES=triton.next_power_of_2(self.world_size), **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):

@@ -161,12 +161,25 @@ def atomic_xchg(ctx, ptr, value, peer):
 
 
 @jit
-def notify(ctx, sig, peer, value):
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@jit
+def largest(x):
+    """The largest element of the 1-D block ``x`` (``tl.max``, which the interpreter cannot call
+    from here)."""
+    return tl.reduce(x, 0, _larger)
+
+
+@jit
+def notify(ctx, sig, peer, value, mask=None):
     """Release: everything this program stored before is visible to ``peer`` once it sees ``value``.
 
     ``sig`` is an int64 slot in this rank's heap; the slot of the same offset on ``peer`` is set.
+    ``peer`` may be a block of ranks (where ``mask`` holds): every one is signalled at once.
     """
-    tl.atomic_xchg(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
+    tl.atomic_xchg(symm_at(ctx, sig, peer), value, mask=mask, sem="release", scope="sys")
 
 
 @jit
@@ -212,6 +225,11 @@ if INTERPRET:
         """:func:`wait` for exactly ``value`` (a call's signature, not an epoch)."""
         return _spin_to(sig, value, True, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
+    @jit
+    def wait_all(ctx, sigs, value, mask):
+        """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds."""
+        _spin_all(sigs, value, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
+
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
         """An interpreter scalar (or a constexpr, or an int) as a Python int."""
@@ -226,6 +244,21 @@ if INTERPRET:
         satisfied = (lambda seen: seen == wanted) if equal else (lambda seen: seen >= wanted)
         return spin_until(sig, satisfied, host_int(timeout_ms) / 1000.0, f"{'value' if equal else 'epoch'} {wanted}",
                           host_int(abort_address))
+
+    def _spin_all(sigs, value, mask, timeout_ms, abort_address):
+        wanted = host_int(value)
+        watched = [int(a) for a, m in zip(sigs.handle.data.reshape(-1), mask.handle.data.reshape(-1)) if m]
+
+        def least():
+            seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys")
+            return min((int(v) for v, m in zip(seen.handle.data.reshape(-1), mask.handle.data.reshape(-1)) if m),
+                       default=wanted)
+        try:
+            poll_until(least, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}",
+                       host_int(abort_address))
+        except PeerTimeoutError as err:
+            err.address, err.satisfied = watched[0], (lambda seen: seen >= wanted)
+            raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
         """Polls the int64 slot ``sig`` (acquire) until ``satisfied(value)`` (see
@@ -258,6 +291,26 @@ else:
     def wait_equal(ctx, sig, value):
         """:func:`wait` for exactly ``value`` (a call's signature, not an epoch)."""
         return _spin(ctx, sig, value, True)
+
+    @jit
+    def wait_all(ctx, sigs, value, mask):
+        """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds, all polled at
+        once (a round trip per poll, not one per slot)."""
+        abort = tl.load(ctx + CTX_ABORT)
+        seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys")
+        short = largest(tl.where(mask & (seen < value), 1, 0))
+        polls = 0
+        gave_up = abort < 0  # (False: an address)
+        while (short != 0) & (not gave_up):
+            seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys")
+            short = largest(tl.where(mask & (seen < value), 1, 0))
+            polls += 1
+            if (polls % ABORT_POLLS == 0) & (abort != 0):
+                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
+        if gave_up & (polls > ABORT_POLLS):  # (it waited before the abort, not only after it)
+            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
+            tl.store(stuck.to(tl.pointer_type(tl.int64)), largest(tl.where(mask, tl.cast(sigs, tl.int64), 0)))
+        tl.debug_barrier()  # a thread per slot acquired; the whole program reads after them
 
     @jit
     def _short_of(seen, value, EQUAL: tl.constexpr):

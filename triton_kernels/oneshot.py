@@ -9,7 +9,8 @@ Program ``q`` of every rank, in order:
    flag ``flags@d[me][q] = epoch`` (release, system scope).
 2. wait for ``flags[s][q] >= epoch`` from every peer ``s`` (acquire), and check that ``s``'s
    call word describes the same call (a mismatch is recorded in the status slot, never read
-   past).
+   past). The flags of step 1 go to every rank at once and these waits poll every flag at once,
+   a lane per rank: one round trip each, not one per rank.
 3. combine its blocks of the local mailbox slots into the output: copy (all_gather,
    all-to-all, broadcast) or reduce in rank order (all_reduce, reduce_scatter), so every rank
    gets bit-identical sums.
@@ -83,12 +84,13 @@ def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constex
 def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, root, call_word, tables,
                    MODE: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                    ALIGN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr,
-                   MAXP: tl.constexpr):
+                   MAXP: tl.constexpr, LANES: tl.constexpr):
     """``n``: elements per rank pair (all_gather, all_reduce, broadcast: the input;
     reduce_scatter: the output); all-to-all reads its counts from ``tables``. ``stride``: the
     distance between ranks' parts (all_gather: in the output, reduce_scatter: in the input),
     which differs from ``n`` when a large call runs in rounds. ``cap``: elements per mailbox
-    slot. ``root``: broadcast's source. Offsets are multiples of ALIGN elements."""
+    slot. ``root``: broadcast's source. Offsets are multiples of ALIGN elements. ``LANES``: the
+    power of two from WORLD up (signals go to and come from every rank at once, a lane each)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
@@ -105,30 +107,30 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
             offs = start + tl.arange(0, BLOCK)
             mask = offs < count
             tl.store(remote + offs, tl.load(src + off + offs, mask=mask), mask=mask)
-    tl.debug_barrier()  # every thread's pushes before the (one-thread) release below
-    for i in tl.static_range(WORLD):
-        d = (me + i) % WORLD
-        _, count = _share(me, d, n, stride, root, tables, MODE, WORLD, False)
-        word = call_word + (tl.cast(count, tl.int64) << COUNT_SHIFT)
-        tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid, word, d)
+    # every rank at once, a lane each: this rank's call word and flag to each, then each one's
+    lanes = tl.arange(0, LANES)
+    live = lanes < WORLD
+    to_rank = tl.where(live, (me + lanes) % WORLD, me)
+    tl.debug_barrier()  # every thread's pushes before the releases below
+    _, sent = _share(me, to_rank, n, stride, root, tables, MODE, WORLD, False)
+    tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid, call_word + (tl.cast(sent, tl.int64) << COUNT_SHIFT),
+              to_rank, mask=live)
     tl.debug_barrier()
-    for i in tl.static_range(WORLD):
-        tdl.notify(ctx, flags + me * MAXP + pid, (me + i) % WORLD, epoch)
+    tdl.notify(ctx, flags + me * MAXP + pid, to_rank, epoch, mask=live)
 
-    differs = pid < 0  # (False)
-    for s in tl.static_range(WORLD):
-        tdl.wait(ctx, flags + s * MAXP + pid, epoch)
-        # the count s pushed to us, as our own call sees it
-        if MODE == "all_to_all":
-            _, expected = _share(me, s, n, stride, root, tables, MODE, WORLD, True)
-        else:
-            _, expected = _share(s, me, n, stride, root, tables, MODE, WORLD, False)
-        word = tl.load(words + (parity * WORLD + s) * MAXP + pid)
-        wrong = word != call_word + (tl.cast(expected, tl.int64) << COUNT_SHIFT)
-        if wrong:
-            tl.atomic_max(counter + 2, tl.cast((s + 1) * 4 + STATUS_CALL_MISMATCH, tl.int64),
-                          sem="relaxed", scope="gpu")
-        differs = differs | wrong
+    from_rank = tl.where(live, lanes, 0)
+    tdl.wait_all(ctx, flags + from_rank * MAXP + pid, epoch, live)
+    # the count each rank pushed to us, as our own call sees it
+    if MODE == "all_to_all":
+        _, expected = _share(me, from_rank, n, stride, root, tables, MODE, WORLD, True)
+    else:
+        _, expected = _share(from_rank, me, n, stride, root, tables, MODE, WORLD, False)
+    got = tl.load(words + (parity * WORLD + from_rank) * MAXP + pid, mask=live, other=0)
+    wrong = live & (got != call_word + (tl.cast(expected, tl.int64) << COUNT_SHIFT))
+    status = tdl.largest(tl.where(wrong, (from_rank + 1) * 4 + STATUS_CALL_MISMATCH, 0))
+    differs = status != 0
+    if differs:
+        tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
 
     if (MODE == "all_reduce") or (MODE == "reduce_scatter"):
         limit = tl.where(differs, 0, n)
