@@ -1,7 +1,8 @@
 """A rank killed (SIGKILL) in the middle of collectives on CUDA tensors: every survivor raises
 within the group's timeout + 10 s, no kernel keeps spinning, and its process exits.
 
-The last rank takes part in one call of every case (on one tdist group per case), then kills
+Rank TDIST_DEAD_RANK (1 by default: not the last, so that a wrong slot does not name the dead
+rank by chance) takes part in one call of every case (on one tdist group per case), then kills
 itself. The others then make each call once more: the call's kernel waits for the dead rank, the
 group's watchdog aborts the group at its timeout, the kernel gives up (naming the rank it still
 lacked), and ``work.wait()`` and any later call raise, naming the dead rank. Started by tests/test_gpu.py as plain processes (torchrun would stop the survivors
@@ -25,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch_tdist  # noqa: E402,F401
 
 TIMEOUT_S = 10
+VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
 # name: (op, elements per rank, TDIST_ALGORITHM for its group). The small ones run the one-shot
 # kernels; 64 MB of all_gather the bulk path's pulls, whose barriers wait in a kernel; "bulk"
 # forces the bulk path's pushes.
@@ -70,11 +72,11 @@ def main():
         _call(case, groups[case], world, device).wait()
     torch.cuda.synchronize()
     dist.barrier()
-    if rank == world - 1:
+    if rank == VICTIM:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1)
     failures = []
-    dead = f"rank(s) {world - 1} did not arrive"
+    dead = f"rank(s) {VICTIM} did not arrive"
     for case, (op, _, _) in CASES.items():
         start = time.monotonic()
         work = _call(case, groups[case], world, device)

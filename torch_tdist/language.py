@@ -307,9 +307,11 @@ else:
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
-        if gave_up & (polls > ABORT_POLLS):  # (it waited before the abort, not only after it)
+        if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (it waited before the abort, not only after it)
+            # a slot the last poll found short: the C++ watchdog names the peer it belongs to
             stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
-            tl.store(stuck.to(tl.pointer_type(tl.int64)), largest(tl.where(mask, tl.cast(sigs, tl.int64), 0)))
+            tl.store(stuck.to(tl.pointer_type(tl.int64)),
+                     largest(tl.where(mask & (seen < value), tl.cast(sigs, tl.int64), 0)))
         tl.debug_barrier()  # a thread per slot acquired; the whole program reads after them
 
     @jit
