@@ -95,23 +95,27 @@ def _time(op, group, inp, out, warmup, iters):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _time_loops(op, groups: dict, inp, out, iters, rounds):
-    """name -> microseconds per call of ``groups[name]``'s back-to-back loops: the median over
-    ``rounds`` rounds, each timing every group in turn (a slow moment of the host then hits
-    every group, not one)."""
-    times = {name: [] for name in groups}
+def _in_turn(timers: dict, rounds: int) -> dict:
+    """name -> the median over ``rounds`` rounds of ``timers[name]()`` (microseconds), every
+    timer in turn in each round: a slow moment of the host then hits every group, not one."""
+    times = {name: [] for name in timers}
     for _ in range(rounds):
-        for name, group in groups.items():
-            times[name].append(time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group,
-                                            barrier_group=group))
+        for name, timer in timers.items():
+            times[name].append(timer())
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _time_loops(op, groups: dict, inp, out, iters, rounds):
+    """name -> microseconds per call of ``groups[name]``'s back-to-back loops (``_in_turn``)."""
+    return _in_turn({name: lambda group=group: time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group,
+                                                            barrier_group=group)
+                     for name, group in groups.items()}, rounds)
+
+
 def _time_graphs(op, groups: dict, inp, out, iters, rounds):
-    """name -> microseconds per call when ``iters`` calls captured in one CUDA graph are replayed:
-    the GPU's own time per call, with no host work between calls (how CUDA-graph users, inference
-    engines among them, run collectives); per round every group's graph in turn, the median of 5
-    replays each; the median round, the slowest rank's."""
+    """name -> microseconds per call when ``iters`` calls captured in one CUDA graph are replayed
+    (``_in_turn``, a replay timed as one loop's call): the GPU's own time per call, with no host
+    work between calls (how CUDA-graph users, inference engines among them, run collectives)."""
     current = torch.cuda.current_stream()
     graphs = {}
     for name, group in groups.items():
@@ -126,21 +130,9 @@ def _time_graphs(op, groups: dict, inp, out, iters, rounds):
             for _ in range(iters):
                 _call(op, group, inp, out)
         graphs[name].replay()
-    torch.cuda.synchronize()
-    times = {name: [] for name in groups}
-    for _ in range(rounds):
-        for name, group in groups.items():
-            per_call = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                dist.barrier(group=group)
-                start.record()
-                graphs[name].replay()
-                end.record()
-                end.synchronize()
-                per_call.append(start.elapsed_time(end) * 1e3 / iters)
-            times[name].append(slowest(statistics.median(per_call), _cpu_group))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return _in_turn({name: lambda name=name, group=group: time_loop_us(graphs[name].replay, 1, _cpu_group,
+                                                                       barrier_group=group) / iters
+                     for name, group in groups.items()}, rounds)
 
 
 def _host_overhead_us(group, device, calls=500):
@@ -190,9 +182,10 @@ def main():
             nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
             before = torch_tdist.stats(tdist_group)
             tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
-            loops = _time_loops(op, {"tdist": tdist_group, "nccl": None}, inp, out, args.iters, args.rounds)
+            groups = {"tdist": tdist_group, "nccl": None}
+            loops = _time_loops(op, groups, inp, out, args.iters, args.rounds)
             if args.graph:
-                graphs = _time_graphs(op, {"tdist": tdist_group, "nccl": None}, inp, out, args.iters, args.rounds)
+                graphs = _time_graphs(op, groups, inp, out, args.iters, args.rounds)
             after = torch_tdist.stats(tdist_group)
             tdist_loop_us, nccl_loop_us = loops["tdist"], loops["nccl"]
             name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
@@ -227,7 +220,7 @@ def main():
                      f"turn in each. *_single_us: one call after a barrier, median of "
                      f"{args.iters}: host launch time and rank skew included, noisy" +
                      (f". *_graph_us: {args.iters} calls captured in one CUDA graph, per call of its replays "
-                      f"(median of 5, median round)" if args.graph else ""), rows,
+                      f"(median of 5 replays, median round)" if args.graph else ""), rows,
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
                      host_overhead_us=overhead, async_op=args.async_op)

@@ -247,17 +247,18 @@ if INTERPRET:
 
     def _spin_all(sigs, value, mask, timeout_ms, abort_address):
         wanted = host_int(value)
-        watched = [int(a) for a, m in zip(sigs.handle.data.reshape(-1), mask.handle.data.reshape(-1)) if m]
+        live = mask.handle.data.reshape(-1).astype(bool)
+        if not live.any():
+            return
 
         def least():
             seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys")
-            return min((int(v) for v, m in zip(seen.handle.data.reshape(-1), mask.handle.data.reshape(-1)) if m),
-                       default=wanted)
+            return int(seen.handle.data.reshape(-1)[live].min())
         try:
             poll_until(least, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}",
                        host_int(abort_address))
         except PeerTimeoutError as err:
-            err.address, err.satisfied = watched[0], (lambda seen: seen >= wanted)
+            err.address, err.satisfied = int(sigs.handle.data.reshape(-1)[live][0]), (lambda seen: seen >= wanted)
             raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
