@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS  # noqa: E402
-from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged  # noqa: E402
+from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged, streamed  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -51,8 +51,22 @@ def _oneshot_specialisations():
                     "MAXP": 132, "LANES": 1 << (world - 1).bit_length()}
 
 
+def _streamed_specialisations():
+    """The streamed kernel in both modes (3 ranks: a masked signal lane)."""
+    for world in (2, 3, 4):
+        for mode, dt, op in (("reduce_scatter", "bf16", "sum"), ("all_reduce", "bf16", "sum"),
+                             ("all_reduce", "fp32", "avg"), ("reduce_scatter", "i64", "max")):
+            types = {**ONESHOT_SIGNATURE, "part": "i64", "STEP": "constexpr"}
+            signature = {k: types[k].format(dt=dt) for k in streamed.streamed_kernel.arg_names}
+            yield streamed.streamed_kernel, signature, {
+                "MODE": mode, "WORLD": world, "BLOCK": 8192, "STEP": 2, "OP": op, "ACC": ACC[dt],
+                "ALIGN": 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt], "MAXP": 132,
+                "LANES": 1 << (world - 1).bit_length()}
+
+
 def specialisations():
     yield from _oneshot_specialisations()
+    yield from _streamed_specialisations()
     for world, me in ((2, 1), (4, 0), (4, 3)):
         for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max")):
             for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):

@@ -344,7 +344,7 @@ def bulk_path(tg, rank, world, device, gen):
         bg = _tdist_group({"TDIST_ALGORITHM": "bulk", "TDIST_BULK_PUSH": pusher})
         chunk_bytes = bulk.CHUNK_BYTES[pusher]
         bulk.CHUNK_BYTES[pusher] = 1 << 20
-        _bulk_calls(bg, pusher, world, device, gen)
+        _large_calls(bg, f"bulk {pusher}", (1001, "3M", 65536), world, device, gen)
         bulk.CHUNK_BYTES[pusher] = chunk_bytes
         _progress(rank, f"bulk_path: {pusher} calls done")
         n = (2 << 20) + 3
@@ -357,13 +357,17 @@ def _progress(rank, what):
     print(f"rank {rank}: {what}", flush=True)
 
 
-def _bulk_calls(bg, pusher, world, device, gen):
+def _large_calls(group, label, sizes, world, device, gen):
+    """all_gather, reduce_scatter and all_reduce (sum, avg, max) on ``group`` against NCCL, fp32
+    and bf16, at ``sizes`` elements per rank ("3M": 3 MB and 5 elements)."""
     for dtype in (torch.float32, torch.bfloat16):
-        for trial, n in enumerate((1001, (3 << 20) // dtype.itemsize + 5, 65536)):
-            tag = f"{pusher} {str(dtype)[6:]} n={n} #{trial}"
+        for trial, n in enumerate(sizes):
+            if n == "3M":
+                n = (3 << 20) // dtype.itemsize + 5
+            tag = f"{label} {str(dtype)[6:]} n={n} #{trial}"
             x = _rand(n, dtype, device, gen)
 
-            _check(f"bulk all_gather {tag}", *_pair(_gathered(x, world), bg))
+            _check(f"all_gather {tag}", *_pair(_gathered(x, world), group))
             for name in ("sum", "avg", "max"):
                 wide = _rand(n * world, dtype, device, gen)
 
@@ -371,9 +375,21 @@ def _bulk_calls(bg, pusher, world, device, gen):
                     out = torch.full((n,), 7, dtype=dtype, device=device)
                     dist.reduce_scatter_tensor(out, wide, op=REDUCE_OPS[name], group=g)
                     return out
-                _check(f"bulk reduce_scatter {name} {tag}", *_pair(reduce_scatter, bg))
+                _check(f"reduce_scatter {name} {tag}", *_pair(reduce_scatter, group))
 
-                _check(f"bulk all_reduce {name} {tag}", *_pair(_all_reduced(x, REDUCE_OPS[name]), bg))
+                _check(f"all_reduce {name} {tag}", *_pair(_all_reduced(x, REDUCE_OPS[name]), group))
+
+
+def streamed_path(tg, rank, world, device, gen):
+    """The streamed kernel (triton_kernels/streamed.py) on a group that takes it at every size,
+    with a 64 MB heap (2 MB mailbox slots on 4 ranks, so the larger messages take several rounds
+    of many steps): reduce_scatter and all_reduce (in place) with odd element counts (and
+    all_gather, one-shot there), then 20 CUDA-graph replays of a 1 MB all_reduce."""
+    sg = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M"})
+    _large_calls(sg, "streamed", (1001, "3M", (5 << 20) + 3), world, device, gen)
+    _progress(rank, "streamed_path: calls done")
+    n = (1 << 18) + 3
+    _graph_replays(sg, "streamed ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
 
 
 def served_by_tdist(tg, rank, world, device, gen):
@@ -540,7 +556,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, graph_replay, bulk_path,
-          served_by_tdist, fused_ops,
+          streamed_path, served_by_tdist, fused_ops,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

@@ -53,9 +53,10 @@ def every_op_in_rounds(rank, ws, n, dtype_name, seed):
         assert torch.equal(torch.cat(gathered), torch.cat(xs)), "gather: wrong result"
 
 
-def bulk_path(rank, ws, n, dtype_name, seed):
-    """all_gather (both forms), reduce_scatter (both forms) and all_reduce on the bulk path, with
-    every reduce op it serves, in several rounds; outputs poisoned first."""
+def large_reductions(rank, ws, n, dtype_name, seed):
+    """all_gather (both forms), reduce_scatter (both forms) and all_reduce (in place) on the path
+    the pool's TDIST_ALGORITHM forces, with several reduce ops, in several rounds; outputs
+    poisoned first."""
     import torch_tdist
 
     dtype = getattr(torch, dtype_name)
@@ -93,6 +94,20 @@ def bulk_path(rank, ws, n, dtype_name, seed):
     after = torch_tdist.stats()
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
+
+
+def mismatched_all_reduce_then_one_that_matches(rank, ws, seed):
+    """Rank 0 all_reduces 100 elements, the others 200; then every rank all_reduces 300. Returns
+    what the first call raised and whether the second was right."""
+    try:
+        dist.all_reduce(torch.randn(100 if rank == 0 else 200))
+        first = "returned"
+    except ValueError as err:
+        first = str(err)
+    xs = _inputs(seed, ws, 300, torch.float32)
+    ar = xs[rank].clone()
+    dist.all_reduce(ar)
+    return first, "right" if torch.allclose(ar, sum(xs), rtol=1e-5, atol=1e-5) else "wrong"
 
 
 def bulk_mismatched_then_refused(rank, ws):

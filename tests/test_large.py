@@ -3,7 +3,9 @@
 The pools run with TDIST_HEAP_SIZE=16K (4 KiB of staging per rank), so every op below takes
 several rounds (reduce_scatter and scatter stage one piece per rank in each round). The bulk
 path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it serve these
-small ones too (with a 64K heap, still several rounds).
+small ones too (with a 64K heap, still several rounds), and TDIST_ALGORITHM=streamed sends
+reduce_scatter and all_reduce through the streamed kernel (triton_kernels/streamed.py: with a
+256K heap, several rounds of several steps).
 """
 
 import pytest
@@ -35,6 +37,11 @@ def bulk_pool(world_size, request):
     yield _pool(world_size, "64K", TDIST_ALGORITHM="bulk", TDIST_BULK_PUSH=request.param)
 
 
+@pytest.fixture
+def streamed_pool(world_size):
+    yield _pool(world_size, "256K", TDIST_ALGORITHM="streamed")
+
+
 def teardown_module():
     for pool in _POOLS.values():
         pool.shutdown()
@@ -52,7 +59,23 @@ def test_every_op_in_rounds(small_heap_pool, n, dtype, seed):
 @ws_param([2, 3, 4])
 @pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
 def test_bulk_path(bulk_pool, n, dtype, seed):
-    bulk_pool.run(J.bulk_path, n, dtype, seed, timeout=120)
+    bulk_pool.run(J.large_reductions, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3, 4])
+@pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
+def test_streamed_kernel(streamed_pool, n, dtype, seed):
+    streamed_pool.run(J.large_reductions, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3])
+def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed):
+    for rank, (first, second) in enumerate(streamed_pool.run(J.mismatched_all_reduce_then_one_that_matches,
+                                                             seed, timeout=60)):
+        assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
+        assert second == "right", f"rank {rank}: the next all_reduce: {second}"
 
 
 @pytest.mark.tdist_only

@@ -4,9 +4,11 @@ The C++ backend (``torch_tdist._C.ProcessGroupTDist``) validates arguments, coun
 hands each served op to an :class:`Executor` method of the same name as torch.distributed's
 function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barrier are one
 launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
-mailbox slot); large all_gathers, reduce_scatters and all_reduces take the bulk path instead
-(``bulk.py``: chunked pushes between heaps, see BULK_FROM_BYTES); reduce, scatter and gather
-are the publish/pull pair of ``triton_kernels/staged.py``.
+mailbox slot); large reduce_scatters and all_reduces are one launch each of
+``triton_kernels/streamed.py`` (pushes, reductions and copies overlapped in steps; all_reduce
+two-shot, see STREAMED_FROM_BYTES), large all_gathers take the bulk path (``bulk.py``: copies
+between heaps, see BULK_FROM_BYTES); reduce, scatter and gather are the publish/pull pair of
+``triton_kernels/staged.py``.
 """
 
 import collections
@@ -25,7 +27,7 @@ from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, oneshot, overlap, staged
+from .triton_kernels import hierarchical, oneshot, overlap, staged, streamed
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -36,6 +38,12 @@ MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 ONESHOT_BLOCK_BYTES = 16384
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
+# Streamed launches: the same programs and blocks on GPUs; under the interpreter small blocks, so
+# that the tests' messages take several steps. Blocks per step and program: on H200s 1 did best
+# at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
+# 4); TDIST_STREAMED_STEP_BLOCKS sets it, to measure others.
+STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: ONESHOT_BLOCK_BYTES
+STREAMED_STEP_BLOCKS = int(os.environ.get("TDIST_STREAMED_STEP_BLOCKS", "1"))
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
@@ -63,13 +71,23 @@ _BULK_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gathe
 # 0.53x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
 # x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json); all_gather's copy-engine pulls
 # (collectives_NVIDIA_H200-x4-bulk-pull.json) match NCCL from 64 MB.
-# TDIST_ALGORITHM=oneshot|bulk forces one path at every size, with no size handed to NCCL (to
-# measure them).
+# TDIST_ALGORITHM=oneshot|bulk|streamed forces one path at every size, with no size handed to
+# NCCL (to measure them; streamed: reduce_scatter and all_reduce, the other ops one-shot).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
     "cuda": {"all_gather": 64 << 20, "reduce_scatter": None, "all_reduce": None},
 }
-ALGORITHMS = ("auto", "oneshot", "bulk")
+# Messages (bytes per rank; reduce_scatter: its input) from which reduce_scatter and all_reduce
+# take the streamed kernel (None: never), below the bulk path's sizes. On H200s (4 ranks, bf16,
+# benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json) reduce_scatter's one-shot kernel
+# and the streamed one were even up to 16 MB, the streamed one 14-16% faster at 64 and 256 MB;
+# the two-shot all_reduce was 0.4-0.9x of NCCL's speed one-shot from 4 MB, 1.0-1.3x streamed
+# from 1 MB. Between one-shot's limit (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
+STREAMED_FROM_BYTES = {
+    "cpu": {"reduce_scatter": None, "all_reduce": None},
+    "cuda": {"reduce_scatter": 64 << 20, "all_reduce": 1 << 20},
+}
+ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
@@ -179,7 +197,7 @@ class Executor:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
         # op -> (most bytes the one-shot kernels serve, bytes from which the bulk path does)
-        self.gpu_size_limits = {op: (limit, BULK_FROM_BYTES["cuda"].get(_BULK_FAMILY.get(op)))
+        self.gpu_size_limits = {op: (limit, _served_from(_BULK_FAMILY.get(op)))
                                 for op, limit in GPU_SIZE_LIMITS.items()} if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
 
@@ -200,6 +218,7 @@ class Executor:
         self._flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
+        self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
         self._tree_epoch = 0
         # A quarter each: the mailboxes (two slots per peer), the bulk path's area, staging,
@@ -336,6 +355,27 @@ class Executor:
                      LANES=triton.next_power_of_2(self.world_size), **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
+    def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
+                  stride: int = 0, reduce_op: str = "sum"):
+        """One launch of ``streamed_kernel`` (arguments as there): reduce_scatter ``n`` output
+        elements, ranks' parts ``stride`` apart in ``src``; all_reduce ``n`` elements, shared
+        out in parts of whole 16-byte accesses."""
+        dtype = dst.dtype
+        block = STREAMED_BLOCK or ONESHOT_BLOCK_BYTES // dtype.itemsize
+        part = -(-n // self.world_size)
+        part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
+        programs = max(1, min(ONESHOT_PROGRAMS, -(-(n if mode == "reduce_scatter" else part) // block)))
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
+        self._launch(op, streamed.streamed_kernel, (programs,),
+                     self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
+                     self._streamed_flags, self._words, self._counter, n, stride, part,
+                     _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
+                     MODE=mode, WORLD=self.world_size, BLOCK=block, STEP=STREAMED_STEP_BLOCKS,
+                     ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
+                     OP=reduce_op, ACC=_ACCUMULATOR.get(dtype, tl.float32), MAXP=ONESHOT_PROGRAMS,
+                     LANES=triton.next_power_of_2(self.world_size), **meta)
+        self._check_status(op, dtype, n, self._counter[2:3])
+
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
         """``method(op, call word, out, src, *args)`` of the bulk path. It is copies and stream
         signals besides its launches, so C++ never replays it; one that fails after its start
@@ -356,9 +396,15 @@ class Executor:
         threshold = BULK_FROM_BYTES[self._heap.device.type][op]
         return threshold is not None and nbytes >= threshold
 
-    def _slot_rounds(self, numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
-        """(start, length) pieces of ``numel`` elements that each fit a mailbox slot."""
-        capacity = self._slot_bytes // dtype.itemsize
+    def _takes_streamed(self, op: str, nbytes: int) -> bool:
+        if self.algorithm != "auto":
+            return self.algorithm == "streamed"
+        threshold = STREAMED_FROM_BYTES[self._heap.device.type][op]
+        return threshold is not None and nbytes >= threshold
+
+    def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int = 0) -> list[tuple[int, int]]:
+        """(start, length) pieces of ``numel`` elements, ``capacity`` each (0: a mailbox slot's)."""
+        capacity = capacity or self._slot_bytes // dtype.itemsize
         return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
@@ -395,6 +441,7 @@ class Executor:
         world = self.world_size
         signals = self._signals.data_ptr()
         yield self._flags.data_ptr(), ONESHOT_PROGRAMS, world
+        yield self._streamed_flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield signals, 1, world
         yield signals + 8 * world, 1, world
         yield self._tree_signals.data_ptr(), 1, world
@@ -529,8 +576,13 @@ class Executor:
         self._begin(name, output)
         out = _Output([output])
         n = output.numel()
-        if self._takes_bulk("reduce_scatter", src.numel() * src.element_size()):
+        nbytes = src.numel() * src.element_size()
+        if self._takes_bulk("reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
+        elif self._takes_streamed("reduce_scatter", nbytes):
+            for start, length in self._slot_rounds(n, src.dtype):
+                self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length,
+                               stride=n, reduce_op=reduce_op)
         else:
             for start, length in self._slot_rounds(n, src.dtype):
                 self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length,
@@ -549,8 +601,14 @@ class Executor:
         src = _flat(tensor)
         out = _Output([tensor])
         if dst is None:
-            if self._takes_bulk("all_reduce", src.numel() * src.element_size()):
+            nbytes = src.numel() * src.element_size()
+            if self._takes_bulk("all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
+            elif self._takes_streamed("all_reduce", nbytes):  # a share per rank: half a slot each
+                half_slot = self._slot_bytes // src.element_size() // 2
+                for start, length in self._slot_rounds(src.numel(), src.dtype, self.world_size * half_slot):
+                    self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
+                                   reduce_op=reduce_op)
             else:
                 for start, length in self._slot_rounds(src.numel(), src.dtype):
                     self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
@@ -904,6 +962,14 @@ class Executor:
 
 class _GroupStopped(TimeoutError):
     """A collective timed out waiting for a peer; the group serves no more calls."""
+
+
+def _served_from(family: str | None) -> int | None:
+    """GPU bytes from which a larger message of ``family`` is served again (by the streamed
+    kernel or the bulk path), past GPU_SIZE_LIMITS; None: never."""
+    starts = [table["cuda"].get(family) for table in (STREAMED_FROM_BYTES, BULK_FROM_BYTES)]
+    starts = [v for v in starts if v is not None]
+    return min(starts) if starts else None
 
 
 def _programs(numel: int, per: int = 1) -> int:

@@ -1,0 +1,148 @@
+"""Large reduce_scatter and all_reduce in one launch, streamed in steps, so that pushing to
+peers (NVLink), reducing and copying out (local memory) overlap.
+
+The one-shot kernel (``oneshot.py``) pushes a whole message, waits once and then reduces: one
+round trip, right for small messages, but on large ones its reduction starts only once every
+push is done. Here every program walks its blocks (``q, q + P, ...`` of this rank's share, ``P``
+programs) in steps of STEP blocks. In iteration ``k``, program ``q`` of every rank:
+
+1. pushes step ``k`` of every peer's share of the input into that peer's mailbox slot ``[me]``
+   (all_reduce: the slot's first half);
+2. waits until program ``q`` of every rank has signalled iteration ``k - 1`` (a flag per rank and
+   program, all polled at once, a lane per rank), and at ``k = 1`` checks every rank's call word;
+3. reduces step ``k - 1`` of its own share in rank order, its own part read from the input:
+   reduce_scatter writes the output; all_reduce (two-shot) writes its share of the output and
+   pushes it into every peer's slot ``[me]`` (second half);
+4. all_reduce: copies step ``k - 2`` of every peer's reduced share out of the second halves;
+5. signals iteration ``k`` to every rank: ``flags@d[me][q] = epoch * MAX_STEPS + k + 1``
+   (release), after the stores of 1 and 3, which have had the reduction's time to drain.
+
+Flags: a ``[WORLD][MAXP]`` block of its own (values that grow by step within a call and by
+epoch across calls, compared with ``>=``). Mailboxes, call words and the epoch counter are the
+one-shot kernel's (same layout, same parity rule): a rank that starts call ``e + 2`` has seen
+every peer's first signal of ``e + 1``, so every peer had finished ``e`` and its slots of parity
+``e % 2`` are free, whichever kernel served each call. A call word that differs (status slot
+``counter[2]``) stops this rank's waits, reductions and copies; pushes stay within a slot.
+"""
+
+import triton.language as tl
+
+from torch_tdist import language as tdl
+
+from .oneshot import COUNT_SHIFT
+from .staged import STATUS_CALL_MISMATCH, _arrive_last, _combine
+
+MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's room per epoch)
+
+
+@tdl.jit
+def _share_count(d, n, part, MODE: tl.constexpr):
+    """Elements of rank ``d``'s share: reduce_scatter ``n``, all_reduce ``part`` (the last
+    shares may be shorter, or empty)."""
+    if MODE == "reduce_scatter":
+        return n + d * 0
+    else:
+        return tl.minimum(tl.maximum(n - d * part, 0), part)
+
+
+@tdl.jit
+def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, part, call_word,
+                    MODE: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
+                    ALIGN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr, MAXP: tl.constexpr,
+                    LANES: tl.constexpr):
+    """reduce_scatter: ``n`` output elements per rank, ranks' parts ``stride`` apart in ``src``.
+    all_reduce: ``n`` elements, rank ``d``'s share ``[d * part, (d + 1) * part)``, ``part <=
+    cap // 2``. ``cap``: elements per mailbox slot. Offsets are multiples of ALIGN elements.
+    ``LANES``: the power of two from WORLD up."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tdl.rank(ctx)
+    epoch = tl.load(counter + 1) + 1
+    parity = epoch % 2
+    base = epoch * MAX_STEPS
+    half = cap // 2
+    if MODE == "reduce_scatter":
+        offset_of_share = stride
+        longest = n
+    else:
+        offset_of_share = part
+        longest = part
+    mine = _share_count(me, n, part, MODE)
+    # this program's blocks of a share: pid, pid + nprog, ...; STEP of them per iteration
+    blocks = tl.maximum((longest - pid * BLOCK + nprog * BLOCK - 1) // (nprog * BLOCK), 0)
+    steps = tl.maximum((blocks + STEP - 1) // STEP, 1)
+    if MODE == "reduce_scatter":
+        iterations = steps + 1
+    else:
+        iterations = steps + 2
+    lanes = tl.arange(0, LANES)
+    live = lanes < WORLD
+    to_rank = tl.where(live, (me + lanes) % WORLD, me)
+    from_rank = tl.where(live, lanes, 0)
+    status = pid * 0
+
+    for k in range(0, iterations):
+        if k < steps:
+            for i in tl.static_range(1, WORLD):
+                d = (me + i) % WORLD
+                count = _share_count(d, n, part, MODE)
+                off = tl.multiple_of(d * offset_of_share, ALIGN)
+                remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
+                for j in range(k * STEP, tl.minimum(k * STEP + STEP, blocks)):
+                    offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+                    mask = offs < count
+                    tl.store(remote + offs, tl.load(src + off + offs, mask=mask), mask=mask)
+        if k == 0:
+            tl.debug_barrier()
+            tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid,
+                      call_word + (tl.cast(n, tl.int64) << COUNT_SHIFT), to_rank, mask=live)
+        if k >= 1:
+            tdl.wait_all(ctx, flags + from_rank * MAXP + pid, base + k, live & (lanes * 0 == status))
+            if k == 1:
+                got = tl.load(words + (parity * WORLD + from_rank) * MAXP + pid, mask=live, other=0)
+                wrong = live & (got != call_word + (tl.cast(n, tl.int64) << COUNT_SHIFT))
+                status = tdl.largest(tl.where(wrong, (from_rank + 1) * 4 + STATUS_CALL_MISMATCH, 0))
+                if status != 0:
+                    tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
+        if (k >= 1) & (k <= steps) & (status == 0):
+            own = tl.multiple_of(me * offset_of_share, ALIGN)
+            for j in range(k * STEP - STEP, tl.minimum(k * STEP, blocks)):
+                offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < mine
+                for s in tl.static_range(WORLD):
+                    if s == me:
+                        x = tl.load(src + own + offs, mask=mask).to(ACC)
+                    else:
+                        x = tl.load(box + (parity * WORLD + s) * cap + offs, mask=mask).to(ACC)
+                    if s == 0:
+                        acc = x
+                    else:
+                        acc = _combine(acc, x, OP)
+                if OP == "avg":
+                    acc = acc / WORLD
+                result = acc.to(dst.dtype.element_ty)
+                if MODE == "reduce_scatter":
+                    tl.store(dst + offs, result, mask=mask)
+                else:
+                    tl.store(dst + own + offs, result, mask=mask)
+                    for i in tl.static_range(1, WORLD):
+                        d = (me + i) % WORLD
+                        remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap + half
+                        tl.store(remote + offs, result, mask=mask)
+        if MODE == "all_reduce":
+            if (k >= 2) & (status == 0):
+                for i in tl.static_range(1, WORLD):
+                    s = (me + i) % WORLD
+                    count = _share_count(s, n, part, MODE)
+                    off = tl.multiple_of(s * part, ALIGN)
+                    slot = box + (parity * WORLD + s) * cap + half
+                    for j in range(k * STEP - 2 * STEP, tl.minimum(k * STEP - STEP, blocks)):
+                        offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+                        mask = offs < count
+                        tl.store(dst + off + offs, tl.load(slot + offs, mask=mask), mask=mask)
+        if k < iterations - 1:
+            tl.debug_barrier()  # every thread's pushes before the releases
+            tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live)
+
+    if _arrive_last(counter, 0):
+        tl.store(counter + 1, epoch)  # every program of this launch has read it
