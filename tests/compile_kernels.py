@@ -52,14 +52,15 @@ def _oneshot_specialisations():
 
 
 def _streamed_specialisations():
-    """The streamed kernel in both modes (3 ranks: a masked signal lane)."""
+    """The streamed kernel in each mode (3 ranks: a masked signal lane)."""
     for world in (2, 3, 4):
-        for mode, dt, op in (("reduce_scatter", "bf16", "sum"), ("all_reduce", "bf16", "sum"),
-                             ("all_reduce", "fp32", "avg"), ("reduce_scatter", "i64", "max")):
+        for mode, dt, op in (("all_gather", "bf16", "sum"), ("reduce_scatter", "bf16", "sum"),
+                             ("all_reduce", "bf16", "sum"), ("all_reduce", "fp32", "avg"),
+                             ("reduce_scatter", "i64", "max")):
             types = {**ONESHOT_SIGNATURE, "part": "i64", "STEP": "constexpr"}
             signature = {k: types[k].format(dt=dt) for k in streamed.streamed_kernel.arg_names}
             yield streamed.streamed_kernel, signature, {
-                "MODE": mode, "WORLD": world, "BLOCK": 8192, "STEP": 2, "OP": op, "ACC": ACC[dt],
+                "MODE": mode, "WORLD": world, "BLOCK": 8192, "STEP": 1, "OP": op, "ACC": ACC[dt],
                 "ALIGN": 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt], "MAXP": 132,
                 "LANES": 1 << (world - 1).bit_length()}
 

@@ -28,14 +28,14 @@ import torch_tdist  # noqa: E402,F401
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
 # name: (op, elements per rank, TDIST_ALGORITHM for its group). The small ones run the one-shot
-# kernels; 64 MB of all_gather the bulk path's pulls, whose barriers wait in a kernel; 16 MB of
-# all_reduce and 64 MB of reduce_scatter the streamed kernel; "bulk" forces the bulk path's pushes.
+# kernels; 16 MB of all_reduce and 64 MB of reduce_scatter the streamed kernel; "bulk" forces the
+# bulk path: all_gather's pulls (whose barriers wait in a kernel) and the other ops' pushes.
 CASES = {
     "all_gather": ("all_gather", 4096, "auto"),
     "reduce_scatter": ("reduce_scatter", 4096, "auto"),
     "all_reduce": ("all_reduce", 4096, "auto"),
     "all_to_all": ("all_to_all", 4096, "auto"),
-    "all_gather 64 MB": ("all_gather", 16 << 20, "auto"),
+    "all_gather 64 MB, bulk": ("all_gather", 16 << 20, "bulk"),
     "all_reduce 16 MB": ("all_reduce", 1 << 20, "auto"),
     "reduce_scatter 64 MB": ("reduce_scatter", 4 << 20, "auto"),
     "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, "bulk"),

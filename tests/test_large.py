@@ -4,7 +4,7 @@ The pools run with TDIST_HEAP_SIZE=16K (4 KiB of staging per rank), so every op 
 several rounds (reduce_scatter and scatter stage one piece per rank in each round). The bulk
 path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it serve these
 small ones too (with a 64K heap, still several rounds), and TDIST_ALGORITHM=streamed sends
-reduce_scatter and all_reduce through the streamed kernel (triton_kernels/streamed.py: with a
+all_gather, reduce_scatter and all_reduce through the streamed kernel (triton_kernels/streamed.py: with a
 256K heap, several rounds of several steps).
 """
 

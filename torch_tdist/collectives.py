@@ -70,22 +70,25 @@ _BULK_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gathe
 # reduce_scatter, not for all_reduce. On H200s the pushes of reduce_scatter and all_reduce were
 # 0.53x to 1.01x of NCCL's speed from 16 to 256 MB (benchmarks/results/collectives_NVIDIA_H200-
 # x4-bulk-sm.json, bulk_sm_tuning_NVIDIA_H200-x4.json); all_gather's copy-engine pulls
-# (collectives_NVIDIA_H200-x4-bulk-pull.json) match NCCL from 64 MB.
+# (collectives_NVIDIA_H200-x4-bulk-pull.json) match NCCL from 64 MB, where the streamed kernel
+# (below) is 3-13% faster still, so GPUs take the bulk path only when TDIST_ALGORITHM=bulk.
 # TDIST_ALGORITHM=oneshot|bulk|streamed forces one path at every size, with no size handed to
-# NCCL (to measure them; streamed: reduce_scatter and all_reduce, the other ops one-shot).
+# NCCL (to measure them; streamed: all_gather, reduce_scatter and all_reduce, the other ops one-shot).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
-    "cuda": {"all_gather": 64 << 20, "reduce_scatter": None, "all_reduce": None},
+    "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
 }
-# Messages (bytes per rank; reduce_scatter: its input) from which reduce_scatter and all_reduce
-# take the streamed kernel (None: never), below the bulk path's sizes. On H200s (4 ranks, bf16,
-# benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json) reduce_scatter's one-shot kernel
-# and the streamed one were even up to 16 MB, the streamed one 14-16% faster at 64 and 256 MB;
-# the two-shot all_reduce was 0.4-0.9x of NCCL's speed one-shot from 4 MB, 1.0-1.3x streamed
-# from 1 MB. Between one-shot's limit (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
+# Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
+# all_reduce take the streamed kernel (None: never), below the bulk path's sizes. On H200s (4
+# ranks, bf16, benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json), NCCL time / tdist
+# time: all_gather one-shot 1.96x, 1.29x, 0.98x, 0.89x, 0.83x at 1, 4, 16, 64, 256 MB, streamed
+# 2.08x, 1.28x, 1.17x, 1.10x, 1.03x (the bulk path's pulls: 0.98x and 1.00x at 64 and 256 MB);
+# reduce_scatter's one-shot kernel and the streamed one even up to 16 MB, the streamed one
+# 14-16% faster at 64 and 256 MB; all_reduce one-shot 0.4-0.9x from 4 MB, streamed (two-shot)
+# 1.0-1.3x from 1 MB. Between one-shot's limit (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
 STREAMED_FROM_BYTES = {
-    "cpu": {"reduce_scatter": None, "all_reduce": None},
-    "cuda": {"reduce_scatter": 64 << 20, "all_reduce": 1 << 20},
+    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
+    "cuda": {"all_gather": 1 << 20, "reduce_scatter": 64 << 20, "all_reduce": 1 << 20},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
@@ -357,14 +360,15 @@ class Executor:
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                   stride: int = 0, reduce_op: str = "sum"):
-        """One launch of ``streamed_kernel`` (arguments as there): reduce_scatter ``n`` output
-        elements, ranks' parts ``stride`` apart in ``src``; all_reduce ``n`` elements, shared
-        out in parts of whole 16-byte accesses."""
+        """One launch of ``streamed_kernel`` (arguments as there): all_gather ``n`` input
+        elements, ranks' parts ``stride`` apart in ``dst``; reduce_scatter ``n`` output elements,
+        ranks' parts ``stride`` apart in ``src``; all_reduce ``n`` elements, shared out in parts
+        of whole 16-byte accesses."""
         dtype = dst.dtype
         block = STREAMED_BLOCK or ONESHOT_BLOCK_BYTES // dtype.itemsize
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
-        programs = max(1, min(ONESHOT_PROGRAMS, -(-(n if mode == "reduce_scatter" else part) // block)))
+        programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))
         meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
         self._launch(op, streamed.streamed_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
@@ -372,8 +376,9 @@ class Executor:
                      _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
                      MODE=mode, WORLD=self.world_size, BLOCK=block, STEP=STREAMED_STEP_BLOCKS,
                      ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
-                     OP=reduce_op, ACC=_ACCUMULATOR.get(dtype, tl.float32), MAXP=ONESHOT_PROGRAMS,
-                     LANES=triton.next_power_of_2(self.world_size), **meta)
+                     OP="sum" if mode == "all_gather" else reduce_op,
+                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if mode != "all_gather" else tl.float32,
+                     MAXP=ONESHOT_PROGRAMS, LANES=triton.next_power_of_2(self.world_size), **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
@@ -402,9 +407,9 @@ class Executor:
         threshold = STREAMED_FROM_BYTES[self._heap.device.type][op]
         return threshold is not None and nbytes >= threshold
 
-    def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int = 0) -> list[tuple[int, int]]:
-        """(start, length) pieces of ``numel`` elements, ``capacity`` each (0: a mailbox slot's)."""
-        capacity = capacity or self._slot_bytes // dtype.itemsize
+    def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int | None = None) -> list[tuple[int, int]]:
+        """(start, length) pieces of ``numel`` elements, ``capacity`` each (None: a mailbox slot's)."""
+        capacity = self._slot_bytes // dtype.itemsize if capacity is None else capacity
         return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
@@ -557,8 +562,12 @@ class Executor:
         src = _flat(input)
         out = _Output(targets)
         n = src.numel()
-        if self._takes_bulk("all_gather", src.numel() * src.element_size()):
+        nbytes = src.numel() * src.element_size()
+        if self._takes_bulk("all_gather", nbytes):
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
+        elif self._takes_streamed("all_gather", nbytes):
+            for start, length in self._slot_rounds(n, src.dtype):
+                self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n)
         else:
             for start, length in self._slot_rounds(n, src.dtype):
                 self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,

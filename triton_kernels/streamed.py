@@ -1,18 +1,20 @@
-"""Large reduce_scatter and all_reduce in one launch, streamed in steps, so that pushing to
-peers (NVLink), reducing and copying out (local memory) overlap.
+"""Large all_gather, reduce_scatter and all_reduce in one launch, streamed in steps, so that
+pushing to peers (NVLink), reducing and copying out (local memory) overlap.
 
-The one-shot kernel (``oneshot.py``) pushes a whole message, waits once and then reduces: one
-round trip, right for small messages, but on large ones its reduction starts only once every
-push is done. Here every program walks its blocks (``q, q + P, ...`` of this rank's share, ``P``
+The one-shot kernel (``oneshot.py``) pushes a whole message, waits once and then combines: one
+round trip, right for small messages, but on large ones its reduction or copy starts only once
+every push is done. Here every program walks its blocks (``q, q + P, ...`` of a share, ``P``
 programs) in steps of STEP blocks. In iteration ``k``, program ``q`` of every rank:
 
 1. pushes step ``k`` of every peer's share of the input into that peer's mailbox slot ``[me]``
-   (all_reduce: the slot's first half);
+   (all_gather: the whole input is every peer's share, and it copies its own into the output;
+   all_reduce: the slot's first half);
 2. waits until program ``q`` of every rank has signalled iteration ``k - 1`` (a flag per rank and
    program, all polled at once, a lane per rank), and at ``k = 1`` checks every rank's call word;
-3. reduces step ``k - 1`` of its own share in rank order, its own part read from the input:
-   reduce_scatter writes the output; all_reduce (two-shot) writes its share of the output and
-   pushes it into every peer's slot ``[me]`` (second half);
+3. all_gather: copies step ``k - 1`` of every peer's slot into the output. reduce_scatter and
+   all_reduce: reduce step ``k - 1`` of this rank's share in rank order, its own part read from
+   the input; reduce_scatter writes the output; all_reduce (two-shot) writes its share of the
+   output and pushes it into every peer's slot ``[me]`` (second half);
 4. all_reduce: copies step ``k - 2`` of every peer's reduced share out of the second halves;
 5. signals iteration ``k`` to every rank: ``flags@d[me][q] = epoch * MAX_STEPS + k + 1``
    (release), after the stores of 1 and 3, which have had the reduction's time to drain.
@@ -36,13 +38,26 @@ MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's 
 
 
 @tdl.jit
-def _share_count(d, n, part, MODE: tl.constexpr):
-    """Elements of rank ``d``'s share: reduce_scatter ``n``, all_reduce ``part`` (the last
-    shares may be shorter, or empty)."""
-    if MODE == "reduce_scatter":
-        return n + d * 0
+def _share(d, n, stride, part, MODE: tl.constexpr):
+    """(offset in the input, elements) of rank ``d``'s share: all_gather the whole input,
+    reduce_scatter the ``n`` elements ``stride`` apart, all_reduce ``[d * part, (d + 1) * part)``
+    (the last shares may be shorter, or empty)."""
+    if MODE == "all_gather":
+        return d * 0, n
+    elif MODE == "reduce_scatter":
+        return d * stride, n
     else:
-        return tl.minimum(tl.maximum(n - d * part, 0), part)
+        return d * part, tl.minimum(tl.maximum(n - d * part, 0), part)
+
+
+@tdl.jit
+def _copy_blocks(dst, src, count, first, last, pid, nprog, BLOCK: tl.constexpr):
+    """This program's blocks ``first`` to ``last - 1`` (of ``pid, pid + nprog, ...``) of ``count``
+    elements, ``src`` to ``dst``."""
+    for j in range(first, last):
+        offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < count
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 @tdl.jit
@@ -50,10 +65,11 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                     MODE: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
                     ALIGN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr, MAXP: tl.constexpr,
                     LANES: tl.constexpr):
-    """reduce_scatter: ``n`` output elements per rank, ranks' parts ``stride`` apart in ``src``.
-    all_reduce: ``n`` elements, rank ``d``'s share ``[d * part, (d + 1) * part)``, ``part <=
-    cap // 2``. ``cap``: elements per mailbox slot. Offsets are multiples of ALIGN elements.
-    ``LANES``: the power of two from WORLD up."""
+    """all_gather: ``n`` input elements, ranks' parts ``stride`` apart in ``dst``. reduce_scatter:
+    ``n`` output elements, ranks' parts ``stride`` apart in ``src``. all_reduce: ``n`` elements,
+    rank ``d``'s share ``[d * part, (d + 1) * part)``, ``part <= cap // 2``. ``cap``: elements per
+    mailbox slot. Offsets are multiples of ALIGN elements. ``LANES``: the power of two from WORLD
+    up."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
@@ -61,20 +77,13 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     parity = epoch % 2
     base = epoch * MAX_STEPS
     half = cap // 2
-    if MODE == "reduce_scatter":
-        offset_of_share = stride
-        longest = n
-    else:
-        offset_of_share = part
-        longest = part
-    mine = _share_count(me, n, part, MODE)
+    own, mine = _share(me, n, stride, part, MODE)
+    own = tl.multiple_of(own, ALIGN)
     # this program's blocks of a share: pid, pid + nprog, ...; STEP of them per iteration
+    longest = part if MODE == "all_reduce" else n
     blocks = tl.maximum((longest - pid * BLOCK + nprog * BLOCK - 1) // (nprog * BLOCK), 0)
     steps = tl.maximum((blocks + STEP - 1) // STEP, 1)
-    if MODE == "reduce_scatter":
-        iterations = steps + 1
-    else:
-        iterations = steps + 2
+    iterations = steps + 2 if MODE == "all_reduce" else steps + 1
     lanes = tl.arange(0, LANES)
     live = lanes < WORLD
     to_rank = tl.where(live, (me + lanes) % WORLD, me)
@@ -85,13 +94,13 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
         if k < steps:
             for i in tl.static_range(1, WORLD):
                 d = (me + i) % WORLD
-                count = _share_count(d, n, part, MODE)
-                off = tl.multiple_of(d * offset_of_share, ALIGN)
+                off, count = _share(d, n, stride, part, MODE)
                 remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
-                for j in range(k * STEP, tl.minimum(k * STEP + STEP, blocks)):
-                    offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
-                    mask = offs < count
-                    tl.store(remote + offs, tl.load(src + off + offs, mask=mask), mask=mask)
+                _copy_blocks(remote, src + tl.multiple_of(off, ALIGN), count, k * STEP,
+                             tl.minimum(k * STEP + STEP, blocks), pid, nprog, BLOCK)
+            if MODE == "all_gather":
+                _copy_blocks(dst + tl.multiple_of(me * stride, ALIGN), src, n, k * STEP,
+                             tl.minimum(k * STEP + STEP, blocks), pid, nprog, BLOCK)
         if k == 0:
             tl.debug_barrier()
             tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid,
@@ -105,41 +114,43 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                 if status != 0:
                     tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
         if (k >= 1) & (k <= steps) & (status == 0):
-            own = tl.multiple_of(me * offset_of_share, ALIGN)
-            for j in range(k * STEP - STEP, tl.minimum(k * STEP, blocks)):
-                offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < mine
-                for s in tl.static_range(WORLD):
-                    if s == me:
-                        x = tl.load(src + own + offs, mask=mask).to(ACC)
+            if MODE == "all_gather":
+                for i in tl.static_range(1, WORLD):
+                    s = (me + i) % WORLD
+                    _copy_blocks(dst + tl.multiple_of(s * stride, ALIGN), box + (parity * WORLD + s) * cap, n,
+                                 k * STEP - STEP, tl.minimum(k * STEP, blocks), pid, nprog, BLOCK)
+            else:
+                for j in range(k * STEP - STEP, tl.minimum(k * STEP, blocks)):
+                    offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+                    mask = offs < mine
+                    for s in tl.static_range(WORLD):
+                        if s == me:
+                            x = tl.load(src + own + offs, mask=mask).to(ACC)
+                        else:
+                            x = tl.load(box + (parity * WORLD + s) * cap + offs, mask=mask).to(ACC)
+                        if s == 0:
+                            acc = x
+                        else:
+                            acc = _combine(acc, x, OP)
+                    if OP == "avg":
+                        acc = acc / WORLD
+                    result = acc.to(dst.dtype.element_ty)
+                    if MODE == "reduce_scatter":
+                        tl.store(dst + offs, result, mask=mask)
                     else:
-                        x = tl.load(box + (parity * WORLD + s) * cap + offs, mask=mask).to(ACC)
-                    if s == 0:
-                        acc = x
-                    else:
-                        acc = _combine(acc, x, OP)
-                if OP == "avg":
-                    acc = acc / WORLD
-                result = acc.to(dst.dtype.element_ty)
-                if MODE == "reduce_scatter":
-                    tl.store(dst + offs, result, mask=mask)
-                else:
-                    tl.store(dst + own + offs, result, mask=mask)
-                    for i in tl.static_range(1, WORLD):
-                        d = (me + i) % WORLD
-                        remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap + half
-                        tl.store(remote + offs, result, mask=mask)
+                        tl.store(dst + own + offs, result, mask=mask)
+                        for i in tl.static_range(1, WORLD):
+                            d = (me + i) % WORLD
+                            remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap + half
+                            tl.store(remote + offs, result, mask=mask)
         if MODE == "all_reduce":
             if (k >= 2) & (status == 0):
                 for i in tl.static_range(1, WORLD):
                     s = (me + i) % WORLD
-                    count = _share_count(s, n, part, MODE)
-                    off = tl.multiple_of(s * part, ALIGN)
-                    slot = box + (parity * WORLD + s) * cap + half
-                    for j in range(k * STEP - 2 * STEP, tl.minimum(k * STEP - STEP, blocks)):
-                        offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
-                        mask = offs < count
-                        tl.store(dst + off + offs, tl.load(slot + offs, mask=mask), mask=mask)
+                    off, count = _share(s, n, stride, part, MODE)
+                    _copy_blocks(dst + tl.multiple_of(off, ALIGN), box + (parity * WORLD + s) * cap + half,
+                                 count, k * STEP - 2 * STEP, tl.minimum(k * STEP - STEP, blocks), pid, nprog,
+                                 BLOCK)
         if k < iterations - 1:
             tl.debug_barrier()  # every thread's pushes before the releases
             tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live)
