@@ -49,15 +49,18 @@ STREAMED_STEP_BLOCKS = int(os.environ.get("TDIST_STREAMED_STEP_BLOCKS", "1"))
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
 # Measured on a quiet host, where NCCL's small calls take 17-21 us back to back (on busier
 # hosts its host overhead, 35-47 us, made it look slower; benchmarks/results/
-# collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): all_reduce and
-# broadcast drop to 0.80x-0.90x at 1 MB, and all_to_all_single (132 programs, whatever the
-# size: the grid must not depend on counts that may differ across ranks) is 0.75x at 8 KB, so
-# it goes to NCCL. All-to-alls whose split sizes are given (ranks may send different sizes, so
-# no size test agrees across ranks) go to NCCL too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to
-# measure tdist's kernels at every size.
+# collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): broadcast drops to
+# 0.80x-0.90x at 1 MB, and all_to_all_single (132 programs, whatever the size: the grid must not
+# depend on counts that may differ across ranks) is 0.75x at 8 KB, so it goes to NCCL. all_reduce
+# did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
+# it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
+# collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it from
+# 1 MB. All-to-alls whose split sizes are given (ranks may send different sizes, so no size test
+# agrees across ranks) go to NCCL too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's
+# kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
-    "reduce_scatter_tensor": None, "all_reduce": 512 << 10,
+    "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
     "broadcast": 512 << 10, "all_to_all_single": 0,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
