@@ -1446,7 +1446,8 @@ WorkPtr ProcessGroupTDist::alltoall_base(
   }
   auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output}, opts.asyncOp);
   if (inputSplitSizes.empty() && outputSplitSizes.empty()) {
-    // even splits: the shapes alone determine the call
+    // even splits: the shapes alone determine the call, the same on every rank (passed on as
+    // no split sizes, so the executor may choose its kernel and grid by size)
     executePlanned(
         planKey(op, input, output),
         input,
@@ -1455,8 +1456,8 @@ WorkPtr ProcessGroupTDist::alltoall_base(
         "all_to_all_single",
         output,
         input,
-        outSplits,
-        inSplits);
+        std::vector<int64_t>{},
+        std::vector<int64_t>{});
   } else {
     execute(op, "all_to_all_single", output, input, outSplits, inSplits);
   }

@@ -54,7 +54,8 @@ def _oneshot_specialisations():
 def _streamed_specialisations():
     """The streamed kernel in each mode (3 ranks: a masked signal lane)."""
     for world in (2, 3, 4):
-        for mode, dt, op in (("all_gather", "bf16", "sum"), ("reduce_scatter", "bf16", "sum"),
+        for mode, dt, op in (("all_gather", "bf16", "sum"), ("all_to_all", "bf16", "sum"),
+                             ("reduce_scatter", "bf16", "sum"),
                              ("all_reduce", "bf16", "sum"), ("all_reduce", "fp32", "avg"),
                              ("reduce_scatter", "i64", "max")):
             types = {**ONESHOT_SIGNATURE, "part": "i64", "STEP": "constexpr"}

@@ -53,10 +53,10 @@ def every_op_in_rounds(rank, ws, n, dtype_name, seed):
         assert torch.equal(torch.cat(gathered), torch.cat(xs)), "gather: wrong result"
 
 
-def large_reductions(rank, ws, n, dtype_name, seed):
-    """all_gather (both forms), reduce_scatter (both forms) and all_reduce (in place) on the path
-    the pool's TDIST_ALGORITHM forces, with several reduce ops, in several rounds; outputs
-    poisoned first."""
+def large_messages(rank, ws, n, dtype_name, seed):
+    """all_gather (both forms), reduce_scatter (both forms), all_reduce (in place) and an even
+    all_to_all_single on the path the pool's TDIST_ALGORITHM forces, with several reduce ops, in
+    several rounds; outputs poisoned first."""
     import torch_tdist
 
     dtype = getattr(torch, dtype_name)
@@ -72,6 +72,10 @@ def large_reductions(rank, ws, n, dtype_name, seed):
     assert torch.equal(torch.cat(parts), torch.cat(xs)), "all_gather: wrong result"
 
     wide = _inputs(seed + 1, ws, ws * n, dtype)
+    exchanged = torch.full((ws * n,), float("nan"), dtype=dtype)
+    dist.all_to_all_single(exchanged, wide[rank])
+    assert torch.equal(exchanged, torch.cat([w.view(ws, n)[rank] for w in wide])), "all_to_all_single: wrong result"
+
     stacked = torch.stack([w.float() for w in wide])
     for name, want in (("SUM", stacked.sum(0)), ("AVG", stacked.mean(0)), ("MAX", stacked.amax(0)),
                        ("MIN", stacked.amin(0))):

@@ -4,7 +4,7 @@ The pools run with TDIST_HEAP_SIZE=16K (4 KiB of staging per rank), so every op 
 several rounds (reduce_scatter and scatter stage one piece per rank in each round). The bulk
 path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it serve these
 small ones too (with a 64K heap, still several rounds), and TDIST_ALGORITHM=streamed sends
-all_gather, reduce_scatter and all_reduce through the streamed kernel (triton_kernels/streamed.py: with a
+all_gather, reduce_scatter, all_reduce and even all-to-alls through the streamed kernel (triton_kernels/streamed.py: with a
 256K heap, several rounds of several steps).
 """
 
@@ -59,14 +59,14 @@ def test_every_op_in_rounds(small_heap_pool, n, dtype, seed):
 @ws_param([2, 3, 4])
 @pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
 def test_bulk_path(bulk_pool, n, dtype, seed):
-    bulk_pool.run(J.large_reductions, n, dtype, seed, timeout=120)
+    bulk_pool.run(J.large_messages, n, dtype, seed, timeout=120)
 
 
 @pytest.mark.tdist_only
 @ws_param([2, 3, 4])
 @pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
 def test_streamed_kernel(streamed_pool, n, dtype, seed):
-    streamed_pool.run(J.large_reductions, n, dtype, seed, timeout=120)
+    streamed_pool.run(J.large_messages, n, dtype, seed, timeout=120)
 
 
 @pytest.mark.tdist_only

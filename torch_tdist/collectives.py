@@ -4,11 +4,11 @@ The C++ backend (``torch_tdist._C.ProcessGroupTDist``) validates arguments, coun
 hands each served op to an :class:`Executor` method of the same name as torch.distributed's
 function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barrier are one
 launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
-mailbox slot); large reduce_scatters and all_reduces are one launch each of
-``triton_kernels/streamed.py`` (pushes, reductions and copies overlapped in steps; all_reduce
-two-shot, see STREAMED_FROM_BYTES), large all_gathers take the bulk path (``bulk.py``: copies
-between heaps, see BULK_FROM_BYTES); reduce, scatter and gather are the publish/pull pair of
-``triton_kernels/staged.py``.
+mailbox slot); large all_gathers, reduce_scatters and all_reduces, and even all-to-alls, are
+one launch each of ``triton_kernels/streamed.py`` (pushes, reductions and copies overlapped in
+steps; all_reduce two-shot; see STREAMED_FROM_BYTES); the bulk path (``bulk.py``: copies between
+heaps, see BULK_FROM_BYTES) serves large messages on the CPU and the fused overlap ops; reduce,
+scatter and gather are the publish/pull pair of ``triton_kernels/staged.py``.
 """
 
 import collections
@@ -50,8 +50,10 @@ STREAMED_STEP_BLOCKS = int(os.environ.get("TDIST_STREAMED_STEP_BLOCKS", "1"))
 # Measured on a quiet host, where NCCL's small calls take 17-21 us back to back (on busier
 # hosts its host overhead, 35-47 us, made it look slower; benchmarks/results/
 # collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): broadcast drops to
-# 0.80x-0.90x at 1 MB, and all_to_all_single (132 programs, whatever the size: the grid must not
-# depend on counts that may differ across ranks) is 0.75x at 8 KB, so it goes to NCCL. all_reduce
+# 0.80x-0.90x at 1 MB. The one-shot all-to-all (132 programs whatever the size when split sizes
+# are given: the grid must not depend on counts that may differ across ranks) is 0.36x-0.57x in
+# CUDA graphs (collectives_NVIDIA_H200-x4-a2a-bcast.json), so NCCL serves all_to_all_single but
+# for even ones, which the streamed kernel serves at every size (STREAMED_FROM_BYTES). all_reduce
 # did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
 # collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it from
@@ -64,8 +66,10 @@ GPU_SIZE_LIMITS = {
     "broadcast": 512 << 10, "all_to_all_single": 0,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
-_BULK_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce"}
+# the key of each op in BULK_FROM_BYTES and STREAMED_FROM_BYTES
+_FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+           "all_to_all_single": "all_to_all"}
 
 # Messages (bytes per rank; reduce_scatter: its input) from which all_gather, reduce_scatter and
 # all_reduce take the bulk path (None: never); on GPUs that overrides GPU_SIZE_LIMITS from there
@@ -88,10 +92,12 @@ BULK_FROM_BYTES = {
 # 2.08x, 1.28x, 1.17x, 1.10x, 1.03x (the bulk path's pulls: 0.98x and 1.00x at 64 and 256 MB);
 # reduce_scatter's one-shot kernel and the streamed one even up to 16 MB, the streamed one
 # 14-16% faster at 64 and 256 MB; all_reduce one-shot 0.4-0.9x from 4 MB, streamed (two-shot)
-# 1.0-1.3x from 1 MB. Between one-shot's limit (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
+# 1.0-1.3x from 1 MB; even all_to_all_single (no split sizes) streamed 1.08x-1.53x in CUDA graphs
+# at 8 KB to 64 MB, one-shot 0.27x-0.57x. Between one-shot's limit (GPU_SIZE_LIMITS) and these
+# sizes, NCCL serves.
 STREAMED_FROM_BYTES = {
-    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
-    "cuda": {"all_gather": 1 << 20, "reduce_scatter": 64 << 20, "all_reduce": 1 << 20},
+    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None},
+    "cuda": {"all_gather": 1 << 20, "reduce_scatter": 64 << 20, "all_reduce": 1 << 20, "all_to_all": 0},
 }
 ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
@@ -203,7 +209,7 @@ class Executor:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
         limited = os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and self.algorithm == "auto"
         # op -> (most bytes the one-shot kernels serve, bytes from which the bulk path does)
-        self.gpu_size_limits = {op: (limit, _served_from(_BULK_FAMILY.get(op)))
+        self.gpu_size_limits = {op: (limit, _served_from(_FAMILY.get(op)))
                                 for op, limit in GPU_SIZE_LIMITS.items()} if limited else {}
         self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
 
@@ -343,7 +349,7 @@ class Executor:
         offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
         block = BLOCK if language.INTERPRET else ONESHOT_BLOCK_BYTES // dtype.itemsize
-        if mode == "all_to_all":  # ranks' counts may differ, the grid must not
+        if mode == "all_to_all" and n == 0:  # ranks' counts may differ, the grid must not
             programs = ONESHOT_PROGRAMS
         else:
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
@@ -365,9 +371,11 @@ class Executor:
                   stride: int = 0, reduce_op: str = "sum"):
         """One launch of ``streamed_kernel`` (arguments as there): all_gather ``n`` input
         elements, ranks' parts ``stride`` apart in ``dst``; reduce_scatter ``n`` output elements,
-        ranks' parts ``stride`` apart in ``src``; all_reduce ``n`` elements, shared out in parts
+        ranks' parts ``stride`` apart in ``src``; all_to_all ``n`` per rank pair, ``stride``
+        apart in both; all_reduce ``n`` elements, shared out in parts
         of whole 16-byte accesses."""
         dtype = dst.dtype
+        reducing = mode in ("reduce_scatter", "all_reduce")
         block = STREAMED_BLOCK or ONESHOT_BLOCK_BYTES // dtype.itemsize
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
@@ -379,8 +387,8 @@ class Executor:
                      _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
                      MODE=mode, WORLD=self.world_size, BLOCK=block, STEP=STREAMED_STEP_BLOCKS,
                      ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
-                     OP="sum" if mode == "all_gather" else reduce_op,
-                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if mode != "all_gather" else tl.float32,
+                     OP=reduce_op if reducing else "sum",
+                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
                      MAXP=ONESHOT_PROGRAMS, LANES=triton.next_power_of_2(self.world_size), **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
@@ -636,6 +644,12 @@ class Executor:
             out.finish()
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes):
+        """No split sizes: even splits, called so on every rank (the C++ backend passes none then)."""
+        if not output_split_sizes and not input_split_sizes:
+            n = input.numel() // self.world_size
+            self._exchange("all_to_all_single", [output], [n] * self.world_size, _flat(input),
+                           [n] * self.world_size, even=True)
+            return self._plan(input, output)
         rows_in, rows_out = max(input.shape[0], 1), max(output.shape[0], 1)
         row_in = input.numel() // rows_in if input.shape[0] else _row_numel(input)
         row_out = output.numel() // rows_out if output.shape[0] else _row_numel(output)
@@ -648,8 +662,25 @@ class Executor:
         self._exchange("all_to_all", list(outputs), [t.numel() for t in outputs],
                        src, [t.numel() for t in inputs])
 
-    def _exchange(self, op, targets, recv_counts, src, send_counts):
+    def _exchange(self, op, targets, recv_counts, src, send_counts, even=False):
+        """``even``: every rank sends every rank the same count, and every rank knows it, so
+        the grid may follow the count and a large message goes in rounds (streamed, or one-shot
+        launches of a slot's worth per pair)."""
         self._begin(op, src)
+        out = _Output(targets)
+        if even:
+            n = send_counts[0]
+            streams = self._takes_streamed("all_to_all", src.numel() * src.element_size())
+            for start, length in self._slot_rounds(n, src.dtype):
+                if streams:
+                    self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n)
+                    continue
+                parts = [d * n for d in range(self.world_size)]
+                tables = (parts + [length] * self.world_size) * 2
+                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length,
+                              tables=self._table(tables, src.device), offsets=tables)
+            out.finish()
+            return
         capacity = self._slot_bytes // src.element_size()
         if max(send_counts + recv_counts) > capacity:
             raise ValueError(
@@ -657,7 +688,6 @@ class Executor:
                 f"mailbox holds {capacity} {str(src.dtype).replace('torch.', '')} elements; raise "
                 f"TDIST_HEAP_SIZE (or the backend option 'heap_size'); a slot is 1/(8 x world size) "
                 f"of the heap")
-        out = _Output(targets)
         tables = _offsets(send_counts) + send_counts + _offsets(recv_counts) + recv_counts
         self._oneshot(op, "all_to_all", src, out.flat, 0, tables=self._table(tables, src.device),
                       offsets=tables)

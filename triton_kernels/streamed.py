@@ -1,5 +1,5 @@
-"""Large all_gather, reduce_scatter and all_reduce in one launch, streamed in steps, so that
-pushing to peers (NVLink), reducing and copying out (local memory) overlap.
+"""Large all_gather, reduce_scatter, all_reduce and even all-to-all in one launch, streamed in
+steps, so that pushing to peers (NVLink), reducing and copying out (local memory) overlap.
 
 The one-shot kernel (``oneshot.py``) pushes a whole message, waits once and then combines: one
 round trip, right for small messages, but on large ones its reduction or copy starts only once
@@ -7,11 +7,11 @@ every push is done. Here every program walks its blocks (``q, q + P, ...`` of a 
 programs) in steps of STEP blocks. In iteration ``k``, program ``q`` of every rank:
 
 1. pushes step ``k`` of every peer's share of the input into that peer's mailbox slot ``[me]``
-   (all_gather: the whole input is every peer's share, and it copies its own into the output;
-   all_reduce: the slot's first half);
+   (all_gather: the whole input is every peer's share; all_gather and all-to-all copy this
+   rank's own share into the output; all_reduce: the slot's first half);
 2. waits until program ``q`` of every rank has signalled iteration ``k - 1`` (a flag per rank and
    program, all polled at once, a lane per rank), and at ``k = 1`` checks every rank's call word;
-3. all_gather: copies step ``k - 1`` of every peer's slot into the output. reduce_scatter and
+3. all_gather, all-to-all: copy step ``k - 1`` of every peer's slot into the output. reduce_scatter and
    all_reduce: reduce step ``k - 1`` of this rank's share in rank order, its own part read from
    the input; reduce_scatter writes the output; all_reduce (two-shot) writes its share of the
    output and pushes it into every peer's slot ``[me]`` (second half);
@@ -40,11 +40,11 @@ MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's 
 @tdl.jit
 def _share(d, n, stride, part, MODE: tl.constexpr):
     """(offset in the input, elements) of rank ``d``'s share: all_gather the whole input,
-    reduce_scatter the ``n`` elements ``stride`` apart, all_reduce ``[d * part, (d + 1) * part)``
-    (the last shares may be shorter, or empty)."""
+    reduce_scatter and all-to-all the ``n`` elements ``stride`` apart, all_reduce ``[d * part,
+    (d + 1) * part)`` (the last shares may be shorter, or empty)."""
     if MODE == "all_gather":
         return d * 0, n
-    elif MODE == "reduce_scatter":
+    elif (MODE == "reduce_scatter") or (MODE == "all_to_all"):
         return d * stride, n
     else:
         return d * part, tl.minimum(tl.maximum(n - d * part, 0), part)
@@ -66,7 +66,8 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                     ALIGN: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr, MAXP: tl.constexpr,
                     LANES: tl.constexpr):
     """all_gather: ``n`` input elements, ranks' parts ``stride`` apart in ``dst``. reduce_scatter:
-    ``n`` output elements, ranks' parts ``stride`` apart in ``src``. all_reduce: ``n`` elements,
+    ``n`` output elements, ranks' parts ``stride`` apart in ``src``. all_to_all: ``n`` elements
+    per rank pair, ranks' parts ``stride`` apart in both. all_reduce: ``n`` elements,
     rank ``d``'s share ``[d * part, (d + 1) * part)``, ``part <= cap // 2``. ``cap``: elements per
     mailbox slot. Offsets are multiples of ALIGN elements. ``LANES``: the power of two from WORLD
     up."""
@@ -98,8 +99,8 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                 remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
                 _copy_blocks(remote, src + tl.multiple_of(off, ALIGN), count, k * STEP,
                              tl.minimum(k * STEP + STEP, blocks), pid, nprog, BLOCK)
-            if MODE == "all_gather":
-                _copy_blocks(dst + tl.multiple_of(me * stride, ALIGN), src, n, k * STEP,
+            if (MODE == "all_gather") or (MODE == "all_to_all"):
+                _copy_blocks(dst + tl.multiple_of(me * stride, ALIGN), src + own, n, k * STEP,
                              tl.minimum(k * STEP + STEP, blocks), pid, nprog, BLOCK)
         if k == 0:
             tl.debug_barrier()
@@ -114,7 +115,7 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                 if status != 0:
                     tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
         if (k >= 1) & (k <= steps) & (status == 0):
-            if MODE == "all_gather":
+            if (MODE == "all_gather") or (MODE == "all_to_all"):
                 for i in tl.static_range(1, WORLD):
                     s = (me + i) % WORLD
                     _copy_blocks(dst + tl.multiple_of(s * stride, ALIGN), box + (parity * WORLD + s) * cap, n,
