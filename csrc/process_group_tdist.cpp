@@ -1428,6 +1428,15 @@ WorkPtr ProcessGroupTDist::alltoall_base(
       ", output shape ",
       output.sizes(),
       ")");
+  TORCH_CHECK_VALUE(
+      !inputSplitSizes.empty() || !outputSplitSizes.empty() ||
+          input.numel() == output.numel(),
+      prefix(op),
+      "without split sizes, input and output must hold the same number of elements (input shape ",
+      input.sizes(),
+      ", output shape ",
+      output.sizes(),
+      ")");
   auto inSplits = resolveSplits(
       op, inputSplitSizes, input, "input", "input_split_sizes", size_);
   auto outSplits = resolveSplits(

@@ -28,8 +28,8 @@ import torch_tdist  # noqa: E402,F401
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
 # name: (op, elements per rank, TDIST_ALGORITHM for its group). The small ones run the one-shot
-# kernels; 16 MB of all_reduce and 64 MB of reduce_scatter the streamed kernel; "bulk" forces the
-# bulk path: all_gather's pulls (whose barriers wait in a kernel) and the other ops' pushes.
+# kernels; 16 MB of all_reduce the streamed kernel ("streamed" forces it on reduce_scatter); "bulk"
+# forces the bulk path: all_gather's pulls (whose barriers wait in a kernel) and the other ops' pushes.
 CASES = {
     "all_gather": ("all_gather", 4096, "auto"),
     "reduce_scatter": ("reduce_scatter", 4096, "auto"),
@@ -37,7 +37,7 @@ CASES = {
     "all_to_all": ("all_to_all", 4096, "auto"),
     "all_gather 64 MB, bulk": ("all_gather", 16 << 20, "bulk"),
     "all_reduce 16 MB": ("all_reduce", 1 << 20, "auto"),
-    "reduce_scatter 64 MB": ("reduce_scatter", 4 << 20, "auto"),
+    "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, "streamed"),
     "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, "bulk"),
     "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, "bulk"),
 }

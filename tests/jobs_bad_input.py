@@ -88,6 +88,10 @@ def _a2a_row_sizes_differ(ws):
     dist.all_to_all_single(torch.empty(ws * 2, 2), torch.randn(ws * 2, 3))
 
 
+def _a2a_sizes_differ_without_splits(ws):
+    dist.all_to_all_single(torch.empty(ws, 2), torch.randn(ws * 2, 2))
+
+
 def _band_on_bfloat16(ws):
     dist.all_reduce(torch.ones(4, dtype=torch.bfloat16), op=R.BAND)
 
@@ -106,6 +110,7 @@ CASES = {
     "rs_list_element_wrong_size": _rs_list_element_wrong_size,
     "a2a_list_wrong_length": _a2a_list_wrong_length,
     "a2a_row_sizes_differ": _a2a_row_sizes_differ,
+    "a2a_sizes_differ_without_splits": _a2a_sizes_differ_without_splits,
     "band_on_bfloat16": _band_on_bfloat16,
     "avg_on_int64_reduce_scatter": _avg_on_int64_reduce_scatter,
     "avg_on_bool": _avg_on_bool,

@@ -56,17 +56,26 @@ def every_op_in_rounds(rank, ws, n, dtype_name, seed):
 def large_messages(rank, ws, n, dtype_name, seed):
     """all_gather (both forms), reduce_scatter (both forms), all_reduce (in place) and an even
     all_to_all_single on the path the pool's TDIST_ALGORITHM forces, with several reduce ops, in
-    several rounds; outputs poisoned first."""
+    several rounds, one-shot broadcasts in between; outputs poisoned first. With
+    TDIST_ALGORITHM=streamed, checks that the streamed kernel served them."""
+    import os
+
     import torch_tdist
 
     dtype = getattr(torch, dtype_name)
     before = torch_tdist.stats()
+    executor = torch_tdist.get_executor()
+    streamed = []
+    if os.environ.get("TDIST_ALGORITHM") == "streamed":
+        launch = executor._streamed
+        executor._streamed = lambda op, *args, **kwargs: (streamed.append(op), launch(op, *args, **kwargs))
     xs = _inputs(seed, ws, n, dtype)
     x = xs[rank]
 
     out = torch.full((ws * n,), float("nan"), dtype=dtype)
     dist.all_gather_into_tensor(out, x)
     assert torch.equal(out, torch.cat(xs)), "all_gather_into_tensor: wrong result"
+    _broadcast_checked(xs, ws - 1)
     parts = [torch.full((n,), float("nan"), dtype=dtype) for _ in range(ws)]
     dist.all_gather(parts, x)
     assert torch.equal(torch.cat(parts), torch.cat(xs)), "all_gather: wrong result"
@@ -85,6 +94,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     rs = torch.full((n,), float("nan"), dtype=dtype)
     dist.reduce_scatter(rs, [t.clone() for t in wide[rank].view(ws, n)])
     _close(rs, stacked.sum(0)[rank * n:(rank + 1) * n], "reduce_scatter")
+    _broadcast_checked(xs, 0)
 
     stacked = torch.stack([t.float() for t in xs])
     for name, want in (("SUM", stacked.sum(0)), ("PRODUCT", stacked.prod(0)), ("MAX", stacked.amax(0))):
@@ -96,15 +106,27 @@ def large_messages(rank, ws, n, dtype_name, seed):
         assert all(torch.equal(e, ar) for e in everyone), f"all_reduce {name}: ranks disagree"
 
     after = torch_tdist.stats()
-    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
+    if os.environ.get("TDIST_ALGORITHM") == "streamed":
+        executor._streamed = launch
+        missing = {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
+                   "all_reduce", "all_to_all_single"} - set(streamed)
+        assert not missing, f"not served by the streamed kernel: {missing}"
 
 
-def mismatched_all_reduce_then_one_that_matches(rank, ws, seed):
-    """Rank 0 all_reduces 100 elements, the others 200; then every rank all_reduces 300. Returns
-    what the first call raised and whether the second was right."""
+def _broadcast_checked(xs, root):
+    """A one-shot broadcast between other calls (they share mailboxes, call words and epoch)."""
+    got = xs[dist.get_rank()].clone()
+    dist.broadcast(got, src=root)
+    assert torch.equal(got, xs[root]), "broadcast between other calls: wrong result"
+
+
+def mismatched_all_reduce_then_one_that_matches(rank, ws, seed, n0, n):
+    """Rank 0 all_reduces ``n0`` elements, the others ``n``; then every rank all_reduces 300.
+    Returns what the first call raised and whether the second was right."""
     try:
-        dist.all_reduce(torch.randn(100 if rank == 0 else 200))
+        dist.all_reduce(torch.randn(n0 if rank == 0 else n))
         first = "returned"
     except ValueError as err:
         first = str(err)

@@ -26,6 +26,7 @@ EXPECT = {
     "rs_list_element_wrong_size": (["reduce_scatter"], VALIDATION, [2, 3]),
     "a2a_list_wrong_length": (["all_to_all"], VALIDATION, [2, 3]),
     "a2a_row_sizes_differ": (["all_to_all_single"], VALIDATION, [2, 3]),
+    "a2a_sizes_differ_without_splits": (["all_to_all_single"], VALIDATION, [2, 3]),
     "band_on_bfloat16": (["all_reduce"], VALIDATION, [2, 3]),
     "avg_on_int64_reduce_scatter": (["reduce_scatter_tensor"], VALIDATION, [2, 3]),
     "avg_on_bool": (["all_reduce"], VALIDATION, [2, 3]),
@@ -73,7 +74,8 @@ def test_bad_input_raises_on_every_rank(pool, case, world_size):
 
 
 @pytest.mark.tdist_only
-@pytest.mark.parametrize("var,value", [("TDIST_TRANSPORT", "bogus"), ("TDIST_HEAP_SIZE", "banana")])
+@pytest.mark.parametrize("var,value", [("TDIST_TRANSPORT", "bogus"), ("TDIST_HEAP_SIZE", "banana"),
+                                       ("TDIST_STREAMED_STEP_BLOCKS", "0")])
 def test_bad_env_raises_at_group_creation(var, value):
     pool = RankPool(2, backend_under_test(), env={var: value}, start_timeout=120,
                     name=f"RankPool(ws=2, {var}={value})")

@@ -71,9 +71,10 @@ def test_streamed_kernel(streamed_pool, n, dtype, seed):
 
 @pytest.mark.tdist_only
 @ws_param([2, 3])
-def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed):
+@pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: one round against two or three
+def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed, n0, n):
     for rank, (first, second) in enumerate(streamed_pool.run(J.mismatched_all_reduce_then_one_that_matches,
-                                                             seed, timeout=60)):
+                                                             seed, n0, n, timeout=60)):
         assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
         assert second == "right", f"rank {rank}: the next all_reduce: {second}"
 

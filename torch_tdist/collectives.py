@@ -43,14 +43,16 @@ ONESHOT_WARPS = 8
 # at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
 # 4); TDIST_STREAMED_STEP_BLOCKS sets it, to measure others.
 STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: ONESHOT_BLOCK_BYTES
-STREAMED_STEP_BLOCKS = int(os.environ.get("TDIST_STREAMED_STEP_BLOCKS", "1"))
+STREAMED_STEP_BLOCKS = 1
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
 # Measured on a quiet host, where NCCL's small calls take 17-21 us back to back (on busier
 # hosts its host overhead, 35-47 us, made it look slower; benchmarks/results/
-# collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): broadcast drops to
-# 0.80x-0.90x at 1 MB. The one-shot all-to-all (132 programs whatever the size when split sizes
+# collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): broadcast dropped to
+# 0.80x-0.90x at 1 MB there; since the kernel signals every rank at once it did 0.99x at 1 MB in
+# CUDA graphs (1.48x eager) and 0.73x at 4 MB (collectives_NVIDIA_H200-x4-a2a-bcast.json), so it
+# is served up to 1 MB. The one-shot all-to-all (132 programs whatever the size when split sizes
 # are given: the grid must not depend on counts that may differ across ranks) is 0.36x-0.57x in
 # CUDA graphs (collectives_NVIDIA_H200-x4-a2a-bcast.json), so NCCL serves all_to_all_single but
 # for even ones, which the streamed kernel serves at every size (STREAMED_FROM_BYTES). all_reduce
@@ -63,7 +65,7 @@ STREAMED_STEP_BLOCKS = int(os.environ.get("TDIST_STREAMED_STEP_BLOCKS", "1"))
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
-    "broadcast": 512 << 10, "all_to_all_single": 0,
+    "broadcast": 1 << 20, "all_to_all_single": 0,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
 # the key of each op in BULK_FROM_BYTES and STREAMED_FROM_BYTES
@@ -80,7 +82,8 @@ _FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
 # (collectives_NVIDIA_H200-x4-bulk-pull.json) match NCCL from 64 MB, where the streamed kernel
 # (below) is 3-13% faster still, so GPUs take the bulk path only when TDIST_ALGORITHM=bulk.
 # TDIST_ALGORITHM=oneshot|bulk|streamed forces one path at every size, with no size handed to
-# NCCL (to measure them; streamed: all_gather, reduce_scatter and all_reduce, the other ops one-shot).
+# NCCL (to measure them; streamed: all_gather, reduce_scatter, all_reduce and even all-to-alls,
+# the other ops one-shot).
 BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
@@ -204,6 +207,10 @@ class Executor:
                              f"{', '.join(PUSHERS)}")
         self.fused_calls = collections.Counter()  # torch_tdist.ops calls the overlapping kernels served
         self.replayed_calls = collections.Counter()  # of those, pipelined calls C++ replayed (_recorded)
+        steps = os.environ.get("TDIST_STREAMED_STEP_BLOCKS", str(STREAMED_STEP_BLOCKS))
+        if not steps.isdigit() or int(steps) < 1:  # ranks must agree on it too (they wait per step)
+            raise ValueError(f"tdist: TDIST_STREAMED_STEP_BLOCKS={steps!r}; expected a whole number from 1")
+        self.streamed_step_blocks = int(steps)
         self.overlap = os.environ.get("TDIST_OVERLAP", "auto").lower()
         if self.overlap not in OVERLAPS:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
@@ -344,7 +351,7 @@ class Executor:
 
     def _oneshot(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                  stride: int = 0, reduce_op: str = "sum", root: int = 0, tables=None,
-                 offsets=()):
+                 offsets=(), rounds_left: int = 1):
         """One launch of ``oneshot_kernel`` (arguments as there); ``offsets``: the element
         offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
@@ -358,7 +365,7 @@ class Executor:
         self._launch(op, oneshot.oneshot_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._flags, self._words, self._counter, n, stride, root,
-                     _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
+                     _call_word(op, dtype, rounds_left),
                      self._empty_header if tables is None else tables,
                      MODE=mode, WORLD=self.world_size, BLOCK=block,
                      ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
@@ -368,7 +375,7 @@ class Executor:
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
-                  stride: int = 0, reduce_op: str = "sum"):
+                  stride: int = 0, reduce_op: str = "sum", rounds_left: int = 1):
         """One launch of ``streamed_kernel`` (arguments as there): all_gather ``n`` input
         elements, ranks' parts ``stride`` apart in ``dst``; reduce_scatter ``n`` output elements,
         ranks' parts ``stride`` apart in ``src``; all_to_all ``n`` per rank pair, ``stride``
@@ -384,8 +391,8 @@ class Executor:
         self._launch(op, streamed.streamed_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._streamed_flags, self._words, self._counter, n, stride, part,
-                     _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8,
-                     MODE=mode, WORLD=self.world_size, BLOCK=block, STEP=STREAMED_STEP_BLOCKS,
+                     _call_word(op, dtype, rounds_left),
+                     MODE=mode, WORLD=self.world_size, BLOCK=block, STEP=self.streamed_step_blocks,
                      ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
                      OP=reduce_op if reducing else "sum",
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
@@ -418,10 +425,12 @@ class Executor:
         threshold = STREAMED_FROM_BYTES[self._heap.device.type][op]
         return threshold is not None and nbytes >= threshold
 
-    def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int | None = None) -> list[tuple[int, int]]:
-        """(start, length) pieces of ``numel`` elements, ``capacity`` each (None: a mailbox slot's)."""
+    def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int | None = None):
+        """(start, length, rounds left) of the pieces of ``numel`` elements, ``capacity`` each
+        (None: a mailbox slot's). Rounds left go into the call words (_call_word)."""
         capacity = self._slot_bytes // dtype.itemsize if capacity is None else capacity
-        return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
+        starts = range(0, numel, capacity)
+        return [(s, min(capacity, numel - s), len(starts) - i) for i, s in enumerate(starts)] or [(0, 0, 1)]
 
     def _launch(self, op: str, kernel, grid, *args, **meta):
         with self._peer_timeouts(op):
@@ -577,11 +586,11 @@ class Executor:
         if self._takes_bulk("all_gather", nbytes):
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
         elif self._takes_streamed("all_gather", nbytes):
-            for start, length in self._slot_rounds(n, src.dtype):
-                self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n)
+            for start, length, left in self._slot_rounds(n, src.dtype):
+                self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n, rounds_left=left)
         else:
-            for start, length in self._slot_rounds(n, src.dtype):
-                self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
+            for start, length, left in self._slot_rounds(n, src.dtype):
+                self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n, rounds_left=left,
                               offsets=(n,))
         out.finish()
 
@@ -600,12 +609,12 @@ class Executor:
         if self._takes_bulk("reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
         elif self._takes_streamed("reduce_scatter", nbytes):
-            for start, length in self._slot_rounds(n, src.dtype):
-                self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length,
+            for start, length, left in self._slot_rounds(n, src.dtype):
+                self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length, rounds_left=left,
                                stride=n, reduce_op=reduce_op)
         else:
-            for start, length in self._slot_rounds(n, src.dtype):
-                self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length,
+            for start, length, left in self._slot_rounds(n, src.dtype):
+                self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length, rounds_left=left,
                               stride=n, reduce_op=reduce_op, offsets=(n,))
         out.finish()
 
@@ -626,12 +635,12 @@ class Executor:
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
             elif self._takes_streamed("all_reduce", nbytes):  # a share per rank: half a slot each
                 half_slot = self._slot_bytes // src.element_size() // 2
-                for start, length in self._slot_rounds(src.numel(), src.dtype, self.world_size * half_slot):
-                    self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
+                for start, length, left in self._slot_rounds(src.numel(), src.dtype, self.world_size * half_slot):
+                    self._streamed(name, "all_reduce", src[start:], out.flat[start:], length, rounds_left=left,
                                    reduce_op=reduce_op)
             else:
-                for start, length in self._slot_rounds(src.numel(), src.dtype):
-                    self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
+                for start, length, left in self._slot_rounds(src.numel(), src.dtype):
+                    self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length, rounds_left=left,
                                   reduce_op=reduce_op)
             out.finish()
             return
@@ -671,13 +680,14 @@ class Executor:
         if even:
             n = send_counts[0]
             streams = self._takes_streamed("all_to_all", src.numel() * src.element_size())
-            for start, length in self._slot_rounds(n, src.dtype):
+            for start, length, left in self._slot_rounds(n, src.dtype):
                 if streams:
-                    self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n)
+                    self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n,
+                                   rounds_left=left)
                     continue
                 parts = [d * n for d in range(self.world_size)]
                 tables = (parts + [length] * self.world_size) * 2
-                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length,
+                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length, rounds_left=left,
                               tables=self._table(tables, src.device), offsets=tables)
             out.finish()
             return
@@ -697,8 +707,9 @@ class Executor:
         self._begin("broadcast", tensor)
         data = _flat(tensor)
         out = _Output([tensor])
-        for start, length in self._slot_rounds(data.numel(), data.dtype):
-            self._oneshot("broadcast", "broadcast", data[start:], out.flat[start:], length, root=src)
+        for start, length, left in self._slot_rounds(data.numel(), data.dtype):
+            self._oneshot("broadcast", "broadcast", data[start:], out.flat[start:], length, root=src,
+                          rounds_left=left)
         if self.rank != src:
             out.finish()
         return self._plan(tensor, tensor)
@@ -1004,6 +1015,13 @@ class Executor:
 
 class _GroupStopped(TimeoutError):
     """A collective timed out waiting for a peer; the group serves no more calls."""
+
+
+def _call_word(op: str, dtype: torch.dtype, rounds_left: int = 1) -> int:
+    """What a one-shot or streamed launch writes beside its data for its peers to compare (the
+    kernel adds its element count at bit 16): the op, the dtype, and the rounds of the call left
+    (at bit 48), so ranks whose calls take different numbers of rounds differ at the first one."""
+    return _CALL_CODE[op] | _DTYPE_CODE[dtype] << 8 | (rounds_left & 0x7FFF) << 48
 
 
 def _served_from(family: str | None) -> int | None:

@@ -94,6 +94,7 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
+    stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
     epoch = tl.load(counter + 1) + 1
     parity = epoch % 2
     my_slot = (parity * WORLD + me) * cap
