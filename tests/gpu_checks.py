@@ -384,9 +384,11 @@ def streamed_path(tg, rank, world, device, gen):
     """The streamed kernel (triton_kernels/streamed.py) on a group that takes it at every size,
     with a 64 MB heap (2 MB mailbox slots on 4 ranks, so the larger messages take several rounds
     of many steps): all_gather, reduce_scatter and all_reduce (in place) with odd element
-    counts, then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too)."""
+    counts, then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
+    the default group at 4 MB (all_gather and all_reduce streamed there, reduce_scatter one-shot)."""
     sg = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M"})
     _large_calls(sg, "streamed", (1001, "3M", (5 << 20) + 3), world, device, gen)
+    _large_calls(tg, "auto", ((1 << 20) + 3,), world, device, gen)
     _progress(rank, "streamed_path: calls done")
     n = (1 << 18) + 3
     _graph_replays(sg, "streamed ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
