@@ -587,11 +587,12 @@ class Executor:
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
         elif self._takes_streamed("all_gather", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
-                self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n, rounds_left=left)
+                self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
+                               rounds_left=left)
         else:
             for start, length, left in self._slot_rounds(n, src.dtype):
-                self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n, rounds_left=left,
-                              offsets=(n,))
+                self._oneshot(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
+                              offsets=(n,), rounds_left=left)
         out.finish()
 
     def reduce_scatter_tensor(self, output, input, op):
@@ -610,12 +611,12 @@ class Executor:
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
         elif self._takes_streamed("reduce_scatter", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
-                self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length, rounds_left=left,
-                               stride=n, reduce_op=reduce_op)
+                self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length,
+                               stride=n, reduce_op=reduce_op, rounds_left=left)
         else:
             for start, length, left in self._slot_rounds(n, src.dtype):
-                self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length, rounds_left=left,
-                              stride=n, reduce_op=reduce_op, offsets=(n,))
+                self._oneshot(name, "reduce_scatter", src[start:], out.flat[start:], length,
+                              stride=n, reduce_op=reduce_op, offsets=(n,), rounds_left=left)
         out.finish()
 
     def all_reduce(self, tensor, op):
@@ -634,14 +635,14 @@ class Executor:
             if self._takes_bulk("all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
             elif self._takes_streamed("all_reduce", nbytes):  # a share per rank: half a slot each
-                half_slot = self._slot_bytes // src.element_size() // 2
-                for start, length, left in self._slot_rounds(src.numel(), src.dtype, self.world_size * half_slot):
-                    self._streamed(name, "all_reduce", src[start:], out.flat[start:], length, rounds_left=left,
-                                   reduce_op=reduce_op)
+                shares = self.world_size * (self._slot_bytes // src.element_size() // 2)
+                for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
+                    self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
+                                   reduce_op=reduce_op, rounds_left=left)
             else:
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype):
-                    self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length, rounds_left=left,
-                                  reduce_op=reduce_op)
+                    self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
+                                  reduce_op=reduce_op, rounds_left=left)
             out.finish()
             return
         keeps_result = dst == self.rank
@@ -687,8 +688,8 @@ class Executor:
                     continue
                 parts = [d * n for d in range(self.world_size)]
                 tables = (parts + [length] * self.world_size) * 2
-                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length, rounds_left=left,
-                              tables=self._table(tables, src.device), offsets=tables)
+                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length,
+                              tables=self._table(tables, src.device), offsets=tables, rounds_left=left)
             out.finish()
             return
         capacity = self._slot_bytes // src.element_size()
