@@ -102,6 +102,7 @@ STREAMED_FROM_BYTES = {
     "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None},
     "cuda": {"all_gather": 1 << 20, "reduce_scatter": 64 << 20, "all_reduce": 1 << 20, "all_to_all": 0},
 }
+_FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
 ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
@@ -413,16 +414,11 @@ class Executor:
                     self._stopped = f"{op} failed part-way ({type(err).__name__})"
                 raise
 
-    def _takes_bulk(self, op: str, nbytes: int) -> bool:
+    def _takes(self, path: str, family: str, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` of ``family`` takes ``path`` ("bulk", "streamed")."""
         if self.algorithm != "auto":
-            return self.algorithm == "bulk"
-        threshold = BULK_FROM_BYTES[self._heap.device.type][op]
-        return threshold is not None and nbytes >= threshold
-
-    def _takes_streamed(self, op: str, nbytes: int) -> bool:
-        if self.algorithm != "auto":
-            return self.algorithm == "streamed"
-        threshold = STREAMED_FROM_BYTES[self._heap.device.type][op]
+            return self.algorithm == path
+        threshold = _FROM_BYTES[path][self._heap.device.type].get(family)
         return threshold is not None and nbytes >= threshold
 
     def _slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int | None = None):
@@ -583,9 +579,9 @@ class Executor:
         out = _Output(targets)
         n = src.numel()
         nbytes = src.numel() * src.element_size()
-        if self._takes_bulk("all_gather", nbytes):
+        if self._takes("bulk", "all_gather", nbytes):
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
-        elif self._takes_streamed("all_gather", nbytes):
+        elif self._takes("streamed", "all_gather", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
                 self._streamed(op, "all_gather", src[start:], out.flat[start:], length, stride=n,
                                rounds_left=left)
@@ -607,9 +603,9 @@ class Executor:
         out = _Output([output])
         n = output.numel()
         nbytes = src.numel() * src.element_size()
-        if self._takes_bulk("reduce_scatter", nbytes):
+        if self._takes("bulk", "reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
-        elif self._takes_streamed("reduce_scatter", nbytes):
+        elif self._takes("streamed", "reduce_scatter", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
                 self._streamed(name, "reduce_scatter", src[start:], out.flat[start:], length,
                                stride=n, reduce_op=reduce_op, rounds_left=left)
@@ -632,9 +628,9 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             nbytes = src.numel() * src.element_size()
-            if self._takes_bulk("all_reduce", nbytes):
+            if self._takes("bulk", "all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
-            elif self._takes_streamed("all_reduce", nbytes):  # a share per rank: half a slot each
+            elif self._takes("streamed", "all_reduce", nbytes):  # a share per rank: half a slot each
                 shares = self.world_size * (self._slot_bytes // src.element_size() // 2)
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
                     self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
@@ -656,9 +652,7 @@ class Executor:
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes):
         """No split sizes: even splits, called so on every rank (the C++ backend passes none then)."""
         if not output_split_sizes and not input_split_sizes:
-            n = input.numel() // self.world_size
-            self._exchange("all_to_all_single", [output], [n] * self.world_size, _flat(input),
-                           [n] * self.world_size, even=True)
+            self._exchange_even("all_to_all_single", output, _flat(input))
             return self._plan(input, output)
         rows_in, rows_out = max(input.shape[0], 1), max(output.shape[0], 1)
         row_in = input.numel() // rows_in if input.shape[0] else _row_numel(input)
@@ -672,26 +666,28 @@ class Executor:
         self._exchange("all_to_all", list(outputs), [t.numel() for t in outputs],
                        src, [t.numel() for t in inputs])
 
-    def _exchange(self, op, targets, recv_counts, src, send_counts, even=False):
-        """``even``: every rank sends every rank the same count, and every rank knows it, so
-        the grid may follow the count and a large message goes in rounds (streamed, or one-shot
-        launches of a slot's worth per pair)."""
+    def _exchange_even(self, op, output, src):
+        """An all-to-all where every rank sends every rank the same count, and every rank knows
+        it: the grid may follow the count, and a large message goes in rounds (streamed, or
+        one-shot launches of a slot's worth per pair)."""
+        self._begin(op, src)
+        out = _Output([output])
+        n = src.numel() // self.world_size
+        streams = self._takes("streamed", "all_to_all", src.numel() * src.element_size())
+        for start, length, left in self._slot_rounds(n, src.dtype):
+            if streams:
+                self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n,
+                               rounds_left=left)
+                continue
+            parts = [d * n for d in range(self.world_size)]
+            tables = (parts + [length] * self.world_size) * 2
+            self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length,
+                          tables=self._table(tables, src.device), offsets=tables, rounds_left=left)
+        out.finish()
+
+    def _exchange(self, op, targets, recv_counts, src, send_counts):
         self._begin(op, src)
         out = _Output(targets)
-        if even:
-            n = send_counts[0]
-            streams = self._takes_streamed("all_to_all", src.numel() * src.element_size())
-            for start, length, left in self._slot_rounds(n, src.dtype):
-                if streams:
-                    self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n,
-                                   rounds_left=left)
-                    continue
-                parts = [d * n for d in range(self.world_size)]
-                tables = (parts + [length] * self.world_size) * 2
-                self._oneshot(op, "all_to_all", src[start:], out.flat[start:], length,
-                              tables=self._table(tables, src.device), offsets=tables, rounds_left=left)
-            out.finish()
-            return
         capacity = self._slot_bytes // src.element_size()
         if max(send_counts + recv_counts) > capacity:
             raise ValueError(
@@ -1028,7 +1024,7 @@ def _call_word(op: str, dtype: torch.dtype, rounds_left: int = 1) -> int:
 def _served_from(family: str | None) -> int | None:
     """GPU bytes from which a larger message of ``family`` is served again (by the streamed
     kernel or the bulk path), past GPU_SIZE_LIMITS; None: never."""
-    starts = [table["cuda"].get(family) for table in (STREAMED_FROM_BYTES, BULK_FROM_BYTES)]
+    starts = [table["cuda"].get(family) for table in _FROM_BYTES.values()]
     starts = [v for v in starts if v is not None]
     return min(starts) if starts else None
 

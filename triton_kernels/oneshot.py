@@ -41,7 +41,7 @@ from torch_tdist import language as tdl
 from .staged import STATUS_CALL_MISMATCH, _arrive_last, _combine
 
 COUNTER_SLOTS = 4
-COUNT_SHIFT = tl.constexpr(16)  # call word: op | dtype << 8 | count << 16
+COUNT_SHIFT = tl.constexpr(16)  # call word: op | dtype << 8 | count << 16 | rounds left << 48
 
 
 def flag_slots(world: int, max_programs: int) -> int:
@@ -50,6 +50,29 @@ def flag_slots(world: int, max_programs: int) -> int:
 
 def word_slots(world: int, max_programs: int) -> int:
     return 2 * world * max_programs
+
+
+@tdl.jit
+def send_call_words(ctx, words, parity, me, pid, call_word, counts, to_rank, live,
+                    WORLD: tl.constexpr, MAXP: tl.constexpr):
+    """This program's call word, with the element count meant for each rank (``counts``, a lane
+    per rank ``to_rank``), into slot ``[parity][me][pid]`` of every live rank's words."""
+    tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid,
+              call_word + (tl.cast(counts, tl.int64) << COUNT_SHIFT), to_rank, mask=live)
+
+
+@tdl.jit
+def call_words_differ(words, counter, parity, pid, call_word, counts, from_rank, live,
+                      WORLD: tl.constexpr, MAXP: tl.constexpr):
+    """The status of the words program ``pid`` of each rank ``from_rank`` sent (0: each one
+    ``call_word`` with the count this rank expects from it, ``counts``); a mismatch is also
+    recorded in the status slot ``counter[2]`` for the host."""
+    got = tl.load(words + (parity * WORLD + from_rank) * MAXP + pid, mask=live, other=0)
+    wrong = live & (got != call_word + (tl.cast(counts, tl.int64) << COUNT_SHIFT))
+    status = tdl.largest(tl.where(wrong, (from_rank + 1) * 4 + STATUS_CALL_MISMATCH, 0))
+    if status != 0:
+        tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
+    return status
 
 
 @tdl.jit
@@ -114,8 +137,7 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     to_rank = tl.where(live, (me + lanes) % WORLD, me)
     tl.debug_barrier()  # every thread's pushes before the releases below
     _, sent = _share(me, to_rank, n, stride, root, tables, MODE, WORLD, False)
-    tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid, call_word + (tl.cast(sent, tl.int64) << COUNT_SHIFT),
-              to_rank, mask=live)
+    send_call_words(ctx, words, parity, me, pid, call_word, sent, to_rank, live, WORLD, MAXP)
     tl.debug_barrier()
     tdl.notify(ctx, flags + me * MAXP + pid, to_rank, epoch, mask=live)
 
@@ -126,12 +148,8 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
         _, expected = _share(me, from_rank, n, stride, root, tables, MODE, WORLD, True)
     else:
         _, expected = _share(from_rank, me, n, stride, root, tables, MODE, WORLD, False)
-    got = tl.load(words + (parity * WORLD + from_rank) * MAXP + pid, mask=live, other=0)
-    wrong = live & (got != call_word + (tl.cast(expected, tl.int64) << COUNT_SHIFT))
-    status = tdl.largest(tl.where(wrong, (from_rank + 1) * 4 + STATUS_CALL_MISMATCH, 0))
-    differs = status != 0
-    if differs:
-        tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
+    differs = call_words_differ(words, counter, parity, pid, call_word, expected, from_rank, live,
+                                WORLD, MAXP) != 0
 
     if (MODE == "all_reduce") or (MODE == "reduce_scatter"):
         limit = tl.where(differs, 0, n)

@@ -31,8 +31,8 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import COUNT_SHIFT
-from .staged import STATUS_CALL_MISMATCH, _arrive_last, _combine
+from .oneshot import call_words_differ, send_call_words
+from .staged import _arrive_last, _combine
 
 MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's room per epoch)
 
@@ -106,16 +106,12 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
                              tl.minimum(k * STEP + STEP, blocks), pid, nprog, BLOCK)
         if k == 0:
             tl.debug_barrier()
-            tdl.store(ctx, words + (parity * WORLD + me) * MAXP + pid,
-                      call_word + (tl.cast(n, tl.int64) << COUNT_SHIFT), to_rank, mask=live)
+            send_call_words(ctx, words, parity, me, pid, call_word, n, to_rank, live, WORLD, MAXP)
         if k >= 1:
             tdl.wait_all(ctx, flags + from_rank * MAXP + pid, base + k, live & (lanes * 0 == status))
             if k == 1:
-                got = tl.load(words + (parity * WORLD + from_rank) * MAXP + pid, mask=live, other=0)
-                wrong = live & (got != call_word + (tl.cast(n, tl.int64) << COUNT_SHIFT))
-                status = tdl.largest(tl.where(wrong, (from_rank + 1) * 4 + STATUS_CALL_MISMATCH, 0))
-                if status != 0:
-                    tl.atomic_max(counter + 2, tl.cast(status, tl.int64), sem="relaxed", scope="gpu")
+                status = call_words_differ(words, counter, parity, pid, call_word, n, from_rank, live,
+                                           WORLD, MAXP)
         if (k >= 1) & (k <= steps) & (status == 0):
             if (MODE == "all_gather") or (MODE == "all_to_all"):
                 for i in tl.static_range(1, WORLD):
