@@ -16,11 +16,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
-from torch_tdist.collectives import GEMM_CONFIGS  # noqa: E402
+from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
 from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged, streamed  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "i32": 4, "i64": 8, "u8": 1}
 ACC = {"fp32": tl.float32, "bf16": tl.float32, "fp16": tl.float32, "fp64": tl.float64,
        "i32": tl.int32, "i64": tl.int64}
 
@@ -43,12 +44,13 @@ def _oneshot_specialisations():
             if world == 3 and (dt, mode) not in (("bf16", "all_gather"), ("bf16", "all_to_all"),
                                                  ("bf16", "reduce_scatter")):
                 continue
-            for align in (1, 16 // {"bf16": 2, "fp32": 4, "u8": 1, "i64": 8}[dt]):
+            for align in (1, 16 // ITEMSIZE[dt]):
                 signature = {k: v.format(dt=dt) for k, v in ONESHOT_SIGNATURE.items()}
                 acc = ACC.get(dt, tl.float32) if mode in ("all_reduce", "reduce_scatter") else tl.float32
+                lanes = 1 << (world - 1).bit_length()
                 yield oneshot.oneshot_kernel, signature, {
-                    "MODE": mode, "WORLD": world, "BLOCK": 8192, "ALIGN": align, "OP": op, "ACC": acc,
-                    "MAXP": 132, "LANES": 1 << (world - 1).bit_length()}
+                    "MODE": mode, "WORLD": world, "BLOCK": ONESHOT_TILE_BYTES // ITEMSIZE[dt] // lanes,
+                    "ALIGN": align, "OP": op, "ACC": acc, "MAXP": 132, "LANES": lanes}
 
 
 def _streamed_specialisations():

@@ -33,16 +33,20 @@ from .triton_kernels import hierarchical, oneshot, overlap, staged, streamed
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
 BLOCK = 8192 if language.INTERPRET else 4096
 MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
-# One-shot launches: bytes one program moves per step, and programs (at most one per SM, so
-# that every program of a launch is resident while it waits for its peers).
-ONESHOT_BLOCK_BYTES = 16384
+# One-shot launches: bytes one program moves per step (every rank's share together, so a rank's
+# block is 1/LANES of it), and programs (at most one per SM, so that every program of a launch is
+# resident while it waits for its peers). On 4 H200s 16 KB and 32 KB did alike in CUDA graphs
+# from 8 KB to 1 MB (within 1 us; 32 KB ahead on all_gather, reduce_scatter and all_reduce),
+# 64 KB up to 2.5 us slower (benchmarks/results/collectives_NVIDIA_H200-x4-oneshot-tiles.json).
+ONESHOT_TILE_BYTES = 32768
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
 # Streamed launches: the same programs and blocks on GPUs; under the interpreter small blocks, so
 # that the tests' messages take several steps. Blocks per step and program: on H200s 1 did best
 # at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
 # 4); TDIST_STREAMED_STEP_BLOCKS sets it, to measure others.
-STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: ONESHOT_BLOCK_BYTES
+STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: STREAMED_BLOCK_BYTES
+STREAMED_BLOCK_BYTES = 16384
 STREAMED_STEP_BLOCKS = 1
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
@@ -96,11 +100,15 @@ BULK_FROM_BYTES = {
 # reduce_scatter's one-shot kernel and the streamed one even up to 16 MB, the streamed one
 # 14-16% faster at 64 and 256 MB; all_reduce one-shot 0.4-0.9x from 4 MB, streamed (two-shot)
 # 1.0-1.3x from 1 MB; even all_to_all_single (no split sizes) streamed 1.08x-1.53x in CUDA graphs
-# at 8 KB to 64 MB, one-shot 0.27x-0.57x. Between one-shot's limit (GPU_SIZE_LIMITS) and these
-# sizes, NCCL serves.
+# at 8 KB to 64 MB, one-shot 0.27x-0.57x. Since the one-shot kernel moves every rank's share at
+# once (collectives_NVIDIA_H200-x4-oneshot-tiles.json) it serves 1 MB all_gathers and
+# all_reduces (19.0 and 18.1 us in CUDA graphs, streamed 21.2 and 20.4 us), and matches the
+# streamed kernel on even all-to-alls from 8 KB to 4 MB. Between one-shot's limit
+# (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
 STREAMED_FROM_BYTES = {
     "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None},
-    "cuda": {"all_gather": 1 << 20, "reduce_scatter": 64 << 20, "all_reduce": 1 << 20, "all_to_all": 0},
+    "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (1 << 20) + 1,
+             "all_to_all": 0},
 }
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
 ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
@@ -356,7 +364,8 @@ class Executor:
         """One launch of ``oneshot_kernel`` (arguments as there); ``offsets``: the element
         offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
-        block = BLOCK if language.INTERPRET else ONESHOT_BLOCK_BYTES // dtype.itemsize
+        lanes = triton.next_power_of_2(self.world_size)
+        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // lanes, 16)
         if mode == "all_to_all" and n == 0:  # ranks' counts may differ, the grid must not
             programs = ONESHOT_PROGRAMS
         else:
@@ -372,7 +381,7 @@ class Executor:
                      ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
-                     LANES=triton.next_power_of_2(self.world_size), **meta)
+                     LANES=lanes, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
@@ -384,7 +393,7 @@ class Executor:
         of whole 16-byte accesses."""
         dtype = dst.dtype
         reducing = mode in ("reduce_scatter", "all_reduce")
-        block = STREAMED_BLOCK or ONESHOT_BLOCK_BYTES // dtype.itemsize
+        block = STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
         programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))

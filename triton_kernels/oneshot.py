@@ -76,14 +76,15 @@ def call_words_differ(words, counter, parity, pid, call_word, counts, from_rank,
 
 
 @tdl.jit
-def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constexpr, RECV: tl.constexpr):
+def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constexpr, RECV: tl.constexpr,
+           ALIGN: tl.constexpr = 1):
     """(offset, count) of rank ``me``'s share for rank ``d``: in the input when pushing
     (RECV False), in the output when combining what ``d`` sent (RECV True)."""
-    if MODE == "all_to_all":
+    if MODE == "all_to_all":  # counts too are multiples of ALIGN (the executor checked the tables)
         if RECV:
-            return tl.load(tables + 2 * WORLD + d), tl.load(tables + 3 * WORLD + d)
+            return tl.load(tables + 2 * WORLD + d), tl.multiple_of(tl.load(tables + 3 * WORLD + d), ALIGN)
         else:
-            return tl.load(tables + d), tl.load(tables + WORLD + d)
+            return tl.load(tables + d), tl.multiple_of(tl.load(tables + WORLD + d), ALIGN)
     elif MODE == "reduce_scatter":
         if RECV:
             return d * 0, n
@@ -101,6 +102,20 @@ def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constex
             return d * 0, tl.where(me == root, n, 0)
     else:  # all_reduce
         return d * 0, n
+
+
+@tdl.jit
+def _copy_rows(dst, src, counts, rows, pid, nprog, BLOCK: tl.constexpr):
+    """Row ``r`` of a block of rows, where ``rows`` holds: ``counts[r]`` elements from ``src[r]``
+    to ``dst[r]`` (blocks of pointers), this program's blocks ``pid, pid + nprog, ...`` of each.
+    Every row's loads go out before any store (a row at a time, each load would wait for the
+    store before it). (Masks by ``rows`` apart from ``counts``: a count of unknown divisibility
+    would make every access scalar.)"""
+    longest = tdl.largest(tl.where(rows, counts, 0))
+    for start in range(pid * BLOCK, longest, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = (offs[None, :] < counts[:, None]) & rows[:, None]
+        tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + offs[None, :], mask=mask), mask=mask)
 
 
 @tdl.jit
@@ -122,37 +137,40 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     parity = epoch % 2
     my_slot = (parity * WORLD + me) * cap
 
-    for i in tl.static_range(WORLD):
-        d = (me + i) % WORLD
-        off, count = _share(me, d, n, stride, root, tables, MODE, WORLD, False)
-        off = tl.multiple_of(off, ALIGN)
-        remote = tdl.symm_at(ctx, box, d) + my_slot
-        for start in range(pid * BLOCK, count, nprog * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < count
-            tl.store(remote + offs, tl.load(src + off + offs, mask=mask), mask=mask)
-    # every rank at once, a lane each: this rank's call word and flag to each, then each one's
     lanes = tl.arange(0, LANES)
     live = lanes < WORLD
     to_rank = tl.where(live, (me + lanes) % WORLD, me)
+    from_rank = tl.where(live, lanes, 0)
+    mailboxes = tdl.symm_at(ctx, box, to_rank) + my_slot  # this rank's slot on each rank
+    if (MODE == "reduce_scatter") or (MODE == "all_to_all"):  # a share per rank: all moved at once
+        off, count = _share(me, to_rank, n, stride, root, tables, MODE, WORLD, False, ALIGN)
+        _copy_rows(mailboxes, src + tl.multiple_of(off, ALIGN), count + lanes * 0, live, pid, nprog, BLOCK)
+    else:  # one share for every rank: read once, written to each
+        _, count = _share(me, me, n, stride, root, tables, MODE, WORLD, False)
+        for start in range(pid * BLOCK, count, nprog * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < count
+            x = tl.load(src + offs, mask=mask)
+            tl.store(mailboxes[:, None] + offs[None, :], tl.broadcast_to(x[None, :], (LANES, BLOCK)),
+                     mask=live[:, None] & mask[None, :])
+    # every rank at once, a lane each: this rank's call word and flag to each, then each one's
     tl.debug_barrier()  # every thread's pushes before the releases below
     _, sent = _share(me, to_rank, n, stride, root, tables, MODE, WORLD, False)
     send_call_words(ctx, words, parity, me, pid, call_word, sent, to_rank, live, WORLD, MAXP)
     tl.debug_barrier()
     tdl.notify(ctx, flags + me * MAXP + pid, to_rank, epoch, mask=live)
 
-    from_rank = tl.where(live, lanes, 0)
     tdl.wait_all(ctx, flags + from_rank * MAXP + pid, epoch, live)
     # the count each rank pushed to us, as our own call sees it
     if MODE == "all_to_all":
         _, expected = _share(me, from_rank, n, stride, root, tables, MODE, WORLD, True)
     else:
         _, expected = _share(from_rank, me, n, stride, root, tables, MODE, WORLD, False)
-    differs = call_words_differ(words, counter, parity, pid, call_word, expected, from_rank, live,
-                                WORLD, MAXP) != 0
+    status = call_words_differ(words, counter, parity, pid, call_word, expected, from_rank, live,
+                               WORLD, MAXP)
 
     if (MODE == "all_reduce") or (MODE == "reduce_scatter"):
-        limit = tl.where(differs, 0, n)
+        limit = tl.where(status != 0, 0, n)
         for start in range(pid * BLOCK, limit, nprog * BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n
@@ -164,15 +182,11 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
                 acc = acc / WORLD
             tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
     else:
-        for s in tl.static_range(WORLD):
-            off, count = _share(me, s, n, stride, root, tables, MODE, WORLD, True)
-            off = tl.multiple_of(off, ALIGN)
-            limit = tl.where(differs, 0, count)
-            slot = box + (parity * WORLD + s) * cap
-            for start in range(pid * BLOCK, limit, nprog * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < count
-                tl.store(dst + off + offs, tl.load(slot + offs, mask=mask), mask=mask)
+        off, count = _share(me, from_rank, n, stride, root, tables, MODE, WORLD, True, ALIGN)
+        _copy_rows(dst + tl.multiple_of(off, ALIGN), box + (parity * WORLD + from_rank) * cap,
+                   count + lanes * 0, live & (lanes * 0 == status), pid, nprog, BLOCK)
 
-    if _arrive_last(counter, 0):
+    if nprog == 1:
+        tl.store(counter + 1, epoch)
+    elif _arrive_last(counter, 0):
         tl.store(counter + 1, epoch)  # every program of this launch has read it
