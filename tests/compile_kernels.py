@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed  # noqa: E402
+from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged, streamed  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -53,26 +53,6 @@ def _oneshot_specialisations():
                     "ALIGN": align, "OP": op, "ACC": acc, "MAXP": 132, "LANES": lanes}
 
 
-def _lowlatency_specialisations():
-    """The low-latency kernel in each mode (3 ranks: a masked lane)."""
-    for world in (2, 3, 4):
-        for mode, dt, op in (("all_gather", "bf16", "sum"), ("all_to_all", "bf16", "sum"),
-                             ("broadcast", "u8", "sum"), ("all_gather", "fp32", "sum"),
-                             ("reduce_scatter", "bf16", "sum"), ("all_reduce", "bf16", "sum"),
-                             ("all_reduce", "fp32", "avg"), ("reduce_scatter", "i32", "max")):
-            if world == 3 and mode in ("all_reduce", "reduce_scatter"):
-                continue  # (reductions: power-of-two groups only)
-            lanes = 1 << (world - 1).bit_length()
-            signature = {"ctx": "*i64", "src": f"*{dt}", "dst": f"*{dt}", "box": "*i64", "cap": "i64",
-                         "counter": "*i64", "n": "i64", "stride": "i64", "root": "i32", "call_word": "i64"}
-            signature.update({k: "constexpr" for k in ("MODE", "WORLD", "BLOCK", "OP", "ACC", "BITS",
-                                                       "MAXP", "LANES")})
-            yield lowlatency.lowlatency_kernel, signature, {
-                "MODE": mode, "WORLD": world, "BLOCK": 8192 // lanes, "OP": op,
-                "ACC": ACC.get(dt, tl.float32), "BITS": {1: tl.int8, 2: tl.int16, 4: tl.int32}[ITEMSIZE[dt]],
-                "MAXP": 132, "LANES": lanes}
-
-
 def _streamed_specialisations():
     """The streamed kernel in each mode (3 ranks: a masked signal lane)."""
     for world in (2, 3, 4):
@@ -90,7 +70,6 @@ def _streamed_specialisations():
 
 def specialisations():
     yield from _oneshot_specialisations()
-    yield from _lowlatency_specialisations()
     yield from _streamed_specialisations()
     for world, me in ((2, 1), (4, 0), (4, 3)):
         for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max")):

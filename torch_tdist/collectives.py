@@ -27,7 +27,7 @@ from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, staged, streamed
+from .triton_kernels import hierarchical, oneshot, overlap, staged, streamed
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -111,24 +111,7 @@ STREAMED_FROM_BYTES = {
              "all_to_all": 0},
 }
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
-# Messages (bytes per rank; reduce_scatter: its input) up to which the low-latency kernel
-# (triton_kernels/lowlatency.py: no fence, a flag in every line) serves each op where it can
-# (elements of 4 bytes or less; reductions of 16- and 32-bit floats and int32 on power-of-two
-# groups), before every other path. None: never (the CPU takes it only when
-# TDIST_ALGORITHM=lowlatency, so that calls mismatched in dtype or size raise there at once).
-LOWLATENCY_UP_TO_BYTES = {
-    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None,
-            "broadcast": None},
-    "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None,
-             "broadcast": None},
-}
-# Lines one low-latency program moves per rank: GPUs a [LANES, this // LANES] block of rows; the
-# interpreter one program, as many lines as the message. Most lines per rank pair:
-LOWLATENCY_TILE_LINES = 8192
-LOWLATENCY_MAX_LINES = 65536
-_LOWLATENCY_BITS = {1: tl.int8, 2: tl.int16, 4: tl.int32}
-_LOWLATENCY_REDUCIBLE = (torch.bfloat16, torch.float16, torch.float32, torch.int32)
-ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "lowlatency")
+ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
@@ -265,9 +248,6 @@ class Executor:
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
         self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
-        # the low-latency kernel's lines: [sender][parity][header lines, then data lines]
-        self._ll_cap = min(2 * ONESHOT_PROGRAMS + LOWLATENCY_MAX_LINES, nbytes // 64 // world // 8)
-        self._ll_box = heap.empty(2 * world * self._ll_cap, torch.int64)
         self._tree_epoch = 0
         # A quarter each: the mailboxes (two slots per peer), the bulk path's area, staging,
         # and users' own symmetric buffers (torch_tdist.get_heap(group).empty(...)).
@@ -404,36 +384,6 @@ class Executor:
                      LANES=lanes, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
-    def _lowlatency(self, op: str, mode: str, family: str, nbytes: int, src: torch.Tensor,
-                    dst: torch.Tensor, n: int, stride: int = 0, reduce_op: str = "sum", root: int = 0) -> bool:
-        """One launch of ``lowlatency_kernel`` (arguments as there) if it serves this call
-        (LOWLATENCY_UP_TO_BYTES; ``n``: elements per rank pair); False if not."""
-        dtype = dst.dtype
-        reducing = mode in ("reduce_scatter", "all_reduce")
-        lanes = triton.next_power_of_2(self.world_size)
-        block = (triton.next_power_of_2(max(n, 16)) if language.INTERPRET
-                 else max(LOWLATENCY_TILE_LINES // lanes, 16))
-        programs = max(1, -(-n // block))
-        if self.algorithm == "auto":
-            limit = LOWLATENCY_UP_TO_BYTES[self._heap.device.type].get(family)
-            if limit is None or nbytes > limit:
-                return False
-        elif self.algorithm != "lowlatency":
-            return False
-        if (dtype.itemsize > 4 or dtype == torch.bool or dtype.is_complex or programs > ONESHOT_PROGRAMS
-                or n > self._ll_cap - 2 * ONESHOT_PROGRAMS
-                or reducing and (dtype not in _LOWLATENCY_REDUCIBLE or lanes != self.world_size)):
-            return False
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
-        self._launch(op, lowlatency.lowlatency_kernel, (programs,),
-                     self._heap.ctx, src, dst, self._ll_box, self._ll_cap, self._counter, n, stride, root,
-                     _call_word(op, dtype), MODE=mode, WORLD=self.world_size, BLOCK=block,
-                     OP=reduce_op if reducing else "sum",
-                     ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
-                     BITS=_LOWLATENCY_BITS[dtype.itemsize], MAXP=ONESHOT_PROGRAMS, LANES=lanes, **meta)
-        self._check_status(op, dtype, n, self._counter[2:3])
-        return True
-
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                   stride: int = 0, reduce_op: str = "sum", rounds_left: int = 1):
         """One launch of ``streamed_kernel`` (arguments as there): all_gather ``n`` input
@@ -525,7 +475,6 @@ class Executor:
         yield signals, 1, world
         yield signals + 8 * world, 1, world
         yield self._tree_signals.data_ptr(), 1, world
-        yield self._ll_box.data_ptr(), 2 * self._ll_cap, world
         yield from self._bulk.signal_regions()
 
     def _publish_signal_regions(self):
@@ -639,9 +588,7 @@ class Executor:
         out = _Output(targets)
         n = src.numel()
         nbytes = src.numel() * src.element_size()
-        if self._lowlatency(op, "all_gather", "all_gather", nbytes, src, out.flat, n, stride=n):
-            pass
-        elif self._takes("bulk", "all_gather", nbytes):
+        if self._takes("bulk", "all_gather", nbytes):
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
         elif self._takes("streamed", "all_gather", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
@@ -665,10 +612,7 @@ class Executor:
         out = _Output([output])
         n = output.numel()
         nbytes = src.numel() * src.element_size()
-        if self._lowlatency(name, "reduce_scatter", "reduce_scatter", nbytes, src, out.flat, n, stride=n,
-                            reduce_op=reduce_op):
-            pass
-        elif self._takes("bulk", "reduce_scatter", nbytes):
+        if self._takes("bulk", "reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
         elif self._takes("streamed", "reduce_scatter", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
@@ -693,10 +637,7 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             nbytes = src.numel() * src.element_size()
-            if self._lowlatency(name, "all_reduce", "all_reduce", nbytes, src, out.flat, src.numel(),
-                                reduce_op=reduce_op):
-                pass
-            elif self._takes("bulk", "all_reduce", nbytes):
+            if self._takes("bulk", "all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
             elif self._takes("streamed", "all_reduce", nbytes):  # a share per rank: half a slot each
                 shares = self.world_size * (self._slot_bytes // src.element_size() // 2)
@@ -741,11 +682,7 @@ class Executor:
         self._begin(op, src)
         out = _Output([output])
         n = src.numel() // self.world_size
-        nbytes = src.numel() * src.element_size()
-        if self._lowlatency(op, "all_to_all", "all_to_all", nbytes, src, out.flat, n, stride=n):
-            out.finish()
-            return
-        streams = self._takes("streamed", "all_to_all", nbytes)
+        streams = self._takes("streamed", "all_to_all", src.numel() * src.element_size())
         for start, length, left in self._slot_rounds(n, src.dtype):
             if streams:
                 self._streamed(op, "all_to_all", src[start:], out.flat[start:], length, stride=n,
@@ -776,12 +713,9 @@ class Executor:
         self._begin("broadcast", tensor)
         data = _flat(tensor)
         out = _Output([tensor])
-        nbytes = data.numel() * data.element_size()
-        if not self._lowlatency("broadcast", "broadcast", "broadcast", nbytes, data, out.flat, data.numel(),
-                                root=src):
-            for start, length, left in self._slot_rounds(data.numel(), data.dtype):
-                self._oneshot("broadcast", "broadcast", data[start:], out.flat[start:], length, root=src,
-                              rounds_left=left)
+        for start, length, left in self._slot_rounds(data.numel(), data.dtype):
+            self._oneshot("broadcast", "broadcast", data[start:], out.flat[start:], length, root=src,
+                          rounds_left=left)
         if self.rank != src:
             out.finish()
         return self._plan(tensor, tensor)

@@ -35,15 +35,14 @@ CTX_ABORT = tl.constexpr(3)  # address of the group's abort word as kernels see 
 # 0.4 s of the abort (tests/gpu_dead_peer.py at 131072: 10.0-10.4 s for a 10 s timeout).
 ABORT_POLLS = tl.constexpr(16384)
 CTX_BASES = tl.constexpr(8)
-LINE_FLAG_MASK = tl.constexpr(-(1 << 32))  # the flag half of a low-latency line (wait_lines)
 # The rest of the abort word's page (host memory; GPUs map it), in int64 words from the abort
 # word: the signal arrays the library's kernels wait on, MAX_REGIONS of (first slot's address,
 # slots per peer, peers), each peer's slots together, zeros after the last; then a word per
 # program (program % STUCK_RECORDS) where a GPU wait that was stuck when the group was aborted
 # leaves the address of the slot it waited on. The C++ watchdog names those slots' peers.
 PAGE_REGIONS = tl.constexpr(8)
-MAX_REGIONS = tl.constexpr(9)
-PAGE_STUCK = tl.constexpr(40)
+MAX_REGIONS = tl.constexpr(8)
+PAGE_STUCK = tl.constexpr(32)
 STUCK_RECORDS = tl.constexpr(64)
 
 
@@ -231,13 +230,6 @@ if INTERPRET:
         """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds."""
         _spin_all(sigs, value, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
-    @jit
-    def wait_lines(ctx, lines, mask, flag):
-        """Spin until every line of the block ``lines`` where ``mask`` holds carries ``flag`` in
-        its high half (see triton_kernels/lowlatency.py); returns the lines (0 where masked)."""
-        _spin_lines(lines, mask, flag, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
-        return tl.load(lines, mask=mask, other=0)
-
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
         """An interpreter scalar (or a constexpr, or an int) as a Python int."""
@@ -267,23 +259,6 @@ if INTERPRET:
                        host_int(abort_address))
         except PeerTimeoutError as err:
             err.address, err.satisfied = int(sigs.handle.data.reshape(-1)[live][0]), (lambda seen: seen >= wanted)
-            raise
-
-    def _spin_lines(lines, mask, flag, timeout_ms, abort_address):
-        wanted = host_int(flag)
-        live = mask.handle.data.astype(bool)
-        addresses = lines.handle.data
-
-        def pending():
-            seen = tl.load(lines, mask=mask, other=0).handle.data
-            return int(((seen & LINE_FLAG_MASK.value) != wanted)[live].sum())
-        try:
-            poll_until(pending, lambda left: left == 0, host_int(timeout_ms) / 1000.0,
-                       f"lines with flag {wanted >> 32}", host_int(abort_address))
-        except PeerTimeoutError as err:
-            seen = tl.load(lines, mask=mask, other=0).handle.data
-            err.address = int(addresses[live & ((seen & LINE_FLAG_MASK.value) != wanted)].reshape(-1)[0])
-            err.satisfied = lambda value: (value & LINE_FLAG_MASK.value) == wanted
             raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
@@ -339,29 +314,6 @@ else:
             tl.store(stuck.to(tl.pointer_type(tl.int64)),
                      largest(tl.where(mask & (seen < value), tl.cast(sigs, tl.int64), 0)))
         tl.debug_barrier()  # a thread per slot acquired; the whole program reads after them
-
-    @jit
-    def wait_lines(ctx, lines, mask, flag):
-        """Spin until every line of the block ``lines`` where ``mask`` holds carries ``flag`` in
-        its high half (see triton_kernels/lowlatency.py), or the group's abort word is set;
-        returns the lines (0 where masked), read with volatile loads (never an old copy)."""
-        abort = tl.load(ctx + CTX_ABORT)
-        seen = tl.load(lines, mask=mask, other=0, volatile=True)
-        short = tl.max(tl.ravel(tl.where(mask & ((seen & LINE_FLAG_MASK) != flag), 1, 0)), 0)
-        polls = 0
-        gave_up = abort < 0  # (False: an address)
-        while (short != 0) & (not gave_up):
-            seen = tl.load(lines, mask=mask, other=0, volatile=True)
-            short = tl.max(tl.ravel(tl.where(mask & ((seen & LINE_FLAG_MASK) != flag), 1, 0)), 0)
-            polls += 1
-            if (polls % ABORT_POLLS == 0) & (abort != 0):
-                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
-        if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (as in wait_all)
-            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
-            pending = mask & ((seen & LINE_FLAG_MASK) != flag)
-            tl.store(stuck.to(tl.pointer_type(tl.int64)),
-                     tl.max(tl.ravel(tl.where(pending, tl.cast(lines, tl.int64), 0)), 0))
-        return seen
 
     @jit
     def _short_of(seen, value, EQUAL: tl.constexpr):
