@@ -62,7 +62,7 @@ STREAMED_STEP_BLOCKS = 1
 # for even ones, which the streamed kernel serves at every size (STREAMED_FROM_BYTES). all_reduce
 # did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
-# collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it from
+# collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it above
 # 1 MB. All-to-alls whose split sizes are given (ranks may send different sizes, so no size test
 # agrees across ranks) go to NCCL too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's
 # kernels at every size.
