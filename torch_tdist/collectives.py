@@ -186,6 +186,7 @@ class Executor:
         self.served_devices = ["cpu"] if language.INTERPRET else ["cuda"] if gpu_kernels else []
         self.transport, self.heap_bytes = heap_options(options)
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self._lanes = triton.next_power_of_2(world_size)  # kernels signal every rank at once, a lane each
         self.group_name = "?"  # set by the C++ backend once torch names the group
         self._heap = None
         self._views = {}
@@ -364,8 +365,7 @@ class Executor:
         """One launch of ``oneshot_kernel`` (arguments as there); ``offsets``: the element
         offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
-        lanes = triton.next_power_of_2(self.world_size)
-        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // lanes, 16)
+        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // self._lanes, 16)
         if mode == "all_to_all" and n == 0:  # ranks' counts may differ, the grid must not
             programs = ONESHOT_PROGRAMS
         else:
@@ -381,7 +381,7 @@ class Executor:
                      ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
-                     LANES=lanes, **meta)
+                     LANES=self._lanes, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
@@ -406,7 +406,7 @@ class Executor:
                      ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
                      OP=reduce_op if reducing else "sum",
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
-                     MAXP=ONESHOT_PROGRAMS, LANES=triton.next_power_of_2(self.world_size), **meta)
+                     MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):

@@ -186,7 +186,5 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
         _copy_rows(dst + tl.multiple_of(off, ALIGN), box + (parity * WORLD + from_rank) * cap,
                    count + lanes * 0, live & (lanes * 0 == status), pid, nprog, BLOCK)
 
-    if nprog == 1:
-        tl.store(counter + 1, epoch)
-    elif _arrive_last(counter, 0):
+    if _arrive_last(counter, 0):
         tl.store(counter + 1, epoch)  # every program of this launch has read it

@@ -51,13 +51,16 @@ def _epoch(sig, WORLD: tl.constexpr):
 
 @tdl.jit
 def _arrive_last(sig, ARRIVE: tl.constexpr):
-    """True in exactly one program of the launch: the last one to get here."""
+    """True in exactly one program of the launch: the last one to get here (a launch of one
+    program skips the count, an atomic round trip)."""
     nprog = tl.num_programs(0) * tl.num_programs(1)
     tl.debug_barrier()  # every thread's stores happen before the (one-thread) release
-    arrived = tl.atomic_add(sig + ARRIVE, 1, sem="acq_rel", scope="gpu")
-    last = arrived == nprog - 1
-    if last:
-        tl.atomic_xchg(sig + ARRIVE, 0, sem="relaxed", scope="gpu")
+    last = nprog == 1
+    if nprog > 1:
+        arrived = tl.atomic_add(sig + ARRIVE, 1, sem="acq_rel", scope="gpu")
+        last = arrived == nprog - 1
+        if last:
+            tl.atomic_xchg(sig + ARRIVE, 0, sem="relaxed", scope="gpu")
     return last
 
 
