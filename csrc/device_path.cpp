@@ -28,6 +28,25 @@ using DriverLaunch = int (*)(
     void** params,
     void** extra);
 
+// cuLaunchKernelEx's configuration (cuda.h's CUlaunchConfig and CUlaunchAttribute), for
+// launches with programmatic dependent launch allowed.
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmaticStreamSerializationAllowed;
+  } value;
+};
+struct LaunchConfig {
+  unsigned gridX, gridY, gridZ, blockX, blockY, blockZ, sharedBytes;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+constexpr int kAttributeProgrammaticStreamSerialization = 6;
+using DriverLaunchEx = int (*)(const LaunchConfig* config, void* function, void** params, void** extra);
+
 } // namespace
 
 void* driverSymbol(const char* name) {
@@ -48,17 +67,27 @@ DriverLaunch driverLaunch() {
   return fn;
 }
 
+DriverLaunchEx driverLaunchEx() {
+  static auto fn = reinterpret_cast<DriverLaunchEx>(driverSymbol("cuLaunchKernelEx"));
+  return fn;
+}
+
 } // namespace
 
-bool streamIsCapturing(const c10::Stream& stream) {
+uint64_t captureId(const c10::Stream& stream) {
   if (stream.device_type() != c10::DeviceType::CUDA) {
-    return false;
+    return 0;
   }
-  using IsCapturing = int (*)(void* stream, int* status);
-  static auto fn = reinterpret_cast<IsCapturing>(driverSymbol("cuStreamIsCapturing"));
+  using CaptureInfo = int (*)(
+      void* stream, int* status, uint64_t* id, void** graph, const void** deps, size_t* numDeps);
+  static auto fn = reinterpret_cast<CaptureInfo>(driverSymbol("cuStreamGetCaptureInfo_v2"));
   int status = 0; // CU_STREAM_CAPTURE_STATUS_NONE
-  int rc = fn(stream.native_handle(), &status);
-  return rc != 0 || status != 0; // (an invalidated capture counts as one)
+  uint64_t id = 0;
+  int rc = fn(stream.native_handle(), &status, &id, nullptr, nullptr, nullptr);
+  if (rc != 0) { // the legacy stream while another stream captures: as a capture
+    return UINT64_MAX;
+  }
+  return status == 0 ? 0 : (id != 0 ? id : UINT64_MAX); // (an invalidated one counts)
 }
 
 void relaxThreadCaptureMode() {
@@ -157,7 +186,7 @@ size_t PlanKeyHash::operator()(const PlanKey& k) const {
 LaunchPlan LaunchPlan::fromPython(const py::handle& plan) {
   LaunchPlan p;
   auto tuple = plan.cast<py::tuple>();
-  TORCH_CHECK(tuple.size() == 5, "tdist: a launch plan is a 5-tuple");
+  TORCH_CHECK(tuple.size() == 6, "tdist: a launch plan is a 6-tuple");
   p.function_ = reinterpret_cast<void*>(tuple[0].cast<uint64_t>());
   auto grid = tuple[1].cast<std::vector<unsigned>>();
   TORCH_CHECK(grid.size() == 3, "tdist: a launch plan's grid has 3 sizes");
@@ -165,6 +194,7 @@ LaunchPlan LaunchPlan::fromPython(const py::handle& plan) {
   p.threads_ = tuple[2].cast<unsigned>();
   p.sharedBytes_ = tuple[3].cast<unsigned>();
   p.params_ = tuple[4].cast<std::vector<std::pair<int, uint64_t>>>();
+  p.dependentLaunch_ = tuple[5].cast<bool>();
   TORCH_CHECK(
       p.params_.size() <= kMaxParams, "tdist: a launch plan has too many parameters");
   return p;
@@ -200,6 +230,15 @@ void LaunchPlan::launch(const std::vector<uintptr_t>& roles, void* stream)
       values[i] = value;
     }
     args[i] = &values[i];
+  }
+  if (dependentLaunch_) {
+    LaunchAttribute attr{};
+    attr.id = kAttributeProgrammaticStreamSerialization;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    LaunchConfig config{grid_[0], grid_[1], grid_[2], threads_, 1, 1, sharedBytes_, stream, &attr, 1};
+    int rc = driverLaunchEx()(&config, function_, args.data(), nullptr);
+    TORCH_CHECK(rc == 0, "tdist: cuLaunchKernelEx failed with CUDA error ", rc);
+    return;
   }
   int rc = driverLaunch()(
       function_,

@@ -73,8 +73,8 @@ c10::Stream currentStream(const c10::Device& device);
 // extension builds without a CUDA toolkit).
 void* driverSymbol(const char* name);
 
-// Whether `stream` (a CUDA one) is capturing a CUDA graph.
-bool streamIsCapturing(const c10::Stream& stream);
+// The id of the CUDA graph capture `stream` is in, 0 when none.
+uint64_t captureId(const c10::Stream& stream);
 
 // Lets the calling thread query events while other threads capture graphs.
 void relaxThreadCaptureMode();
@@ -103,7 +103,7 @@ class LaunchPlan {
   enum Kind : int { Literal64 = 0, Literal32 = 1, RolePtr = 2 };
 
   // From the executor's tuple: (function, (gx, gy, gz), threads, shared
-  // bytes, [(kind, value), ...]).
+  // bytes, [(kind, value), ...], programmatic dependent launch).
   static LaunchPlan fromPython(const py::handle& plan);
 
   // Whether the tensors may take the place of the recorded ones: contiguous
@@ -123,6 +123,7 @@ class LaunchPlan {
   unsigned threads_ = 0;
   unsigned sharedBytes_ = 0;
   std::vector<std::pair<int, uint64_t>> params_;
+  bool dependentLaunch_ = false;
 };
 
 } // namespace tdist

@@ -432,11 +432,11 @@ void TDistWork::startOnStream(
     c10::Stream stream,
     std::shared_ptr<EventPool> events,
     bool blockHost,
-    bool captured) {
+    uint64_t capture) {
   stream_ = stream;
   scope_.emplace(stream, std::move(events));
   blockHost_ = blockHost;
-  captured_ = captured;
+  capture_ = capture;
 }
 
 void TDistWork::markDone() {
@@ -501,7 +501,7 @@ void TDistWork::fail(const std::string& reason) {
 }
 
 bool TDistWork::watchable() const {
-  return end_ != nullptr && !captured_;
+  return end_ != nullptr && capture_ == 0;
 }
 
 std::vector<at::Tensor> TDistWork::result() {
@@ -1018,19 +1018,20 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
   }
   if (device && device->type() != c10::kCPU) {
     // NCCL's choice: a call the caller waits for at once runs on the caller's
-    // stream (no event hand-over between streams), an async one on the
-    // group's. Inside a CUDA graph capture every call takes the group's
-    // stream, where the capture keeps them in order.
+    // stream (no event hand-over between streams, and in a CUDA graph one
+    // kernel node after the other, which programmatic dependent launch
+    // needs), an async one on the group's.
     auto caller = currentStream(*device);
-    bool capturing = streamIsCapturing(caller);
+    uint64_t capture = captureId(caller);
     auto comm = commStream(*device);
-    auto stream = asyncOp || capturing ? comm : caller;
+    auto stream = asyncOp ? comm : caller;
+    const auto& last = capture != 0 ? lastCaptured_ : lastEager_;
     // (an async call after one on the caller's stream already waits for it)
-    if (!capturing && lastEnd_ && *lastStream_ != stream &&
-        !(stream == comm && *lastStream_ == caller)) {
-      lastEnd_->block(stream);
+    if (last.end && last.capture == capture && *last.stream != stream &&
+        !(stream == comm && *last.stream == caller)) {
+      last.end->block(stream);
     }
-    work->startOnStream(stream, events_, op == Op::Barrier, capturing);
+    work->startOnStream(stream, events_, op == Op::Barrier, capture);
   }
   return work;
 }
@@ -1042,9 +1043,11 @@ WorkPtr ProcessGroupTDist::finishWork(
   count(op, Route::Tdist, n);
   work->setSequenceNumber(++seq_);
   work->markDone();
+  if (work->end() && work->capture() != 0) {
+    lastCaptured_ = {work->stream(), work->end(), work->capture()};
+  }
   if (work->watchable()) {
-    lastStream_ = work->stream();
-    lastEnd_ = work->end();
+    lastEager_ = {work->stream(), work->end(), 0};
     std::call_once(watchdogStarted_, [this] {
       watchdog_ = std::make_unique<Watchdog>(
           [this](const char* name, std::chrono::milliseconds timeout) {

@@ -70,12 +70,13 @@ class TDistWork : public c10d::Work {
       const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> outputs);
 
-  // `captured`: whether the caller's stream is capturing a CUDA graph.
+  // `capture`: the id of the CUDA graph capture the caller's stream is in (0:
+  // none).
   void startOnStream(
       c10::Stream stream,
       std::shared_ptr<EventPool> events,
       bool blockHost,
-      bool captured);
+      uint64_t capture);
   void markDone();
 
   // GPU: the caller's current stream waits for the call (the host too for a
@@ -93,6 +94,9 @@ class TDistWork : public c10d::Work {
   void fail(const std::string& reason);
   // Whether the call went onto a GPU stream outside a CUDA graph capture.
   bool watchable() const;
+  uint64_t capture() const {
+    return capture_;
+  }
   // The stream the call ran on and the event after its work (GPU calls).
   const std::optional<c10::Stream>& stream() const {
     return stream_;
@@ -116,7 +120,7 @@ class TDistWork : public c10d::Work {
   std::optional<c10::Stream> stream_; // the stream the call ran on
   std::shared_ptr<c10::Event> end_;
   bool blockHost_ = false;
-  bool captured_ = false;
+  uint64_t capture_ = 0;
   std::string failure_; // set by the watchdog
   bool failing_ = false;
   std::mutex mutex_;
@@ -374,10 +378,17 @@ class ProcessGroupTDist : public c10d::Backend {
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
-  // The group's last GPU call outside a CUDA graph capture, where it ran and
-  // its end: a call on another stream first waits for it.
-  std::optional<c10::Stream> lastStream_;
-  std::shared_ptr<c10::Event> lastEnd_;
+  // The group's last GPU call, where it ran and its end: a call on another
+  // stream first waits for it. One for calls outside CUDA graph captures, one
+  // for calls inside (an event recorded in a capture can be waited on only in
+  // the same capture).
+  struct LastCall {
+    std::optional<c10::Stream> stream;
+    std::shared_ptr<c10::Event> end;
+    uint64_t capture = 0;
+  };
+  LastCall lastEager_;
+  LastCall lastCaptured_;
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.triton_kernels import bulk, oneshot, overlap, staged, streamed  # noqa: E402
+from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -68,9 +68,26 @@ def _streamed_specialisations():
                 "LANES": 1 << (world - 1).bit_length()}
 
 
+def _lowlatency_specialisations():
+    """The low-latency kernel in each mode it serves (words of int32; reductions of bf16, two to a
+    word, and fp32 and int32, one)."""
+    signature = {"ctx": "*i64", "src": "*i32", "dst": "*i32", "lines": "*i64", "counter": "*i64",
+                 "n": "i64", "stride": "i64", "call_word": "i64"}
+    for world in (2, 3, 4):
+        for mode, dtype, op, pack in (("all_gather", tl.int32, "sum", 1), ("all_to_all", tl.int32, "sum", 1),
+                                      ("all_reduce", tl.bfloat16, "sum", 2), ("all_reduce", tl.float32, "max", 1),
+                                      ("reduce_scatter", tl.bfloat16, "avg", 2),
+                                      ("reduce_scatter", tl.int32, "product", 1)):
+            acc = tl.int32 if dtype == tl.int32 else tl.float32
+            yield lowlatency.lowlatency_kernel, signature, {
+                "MODE": mode, "WORLD": world, "SLOT": 16384, "BLOCK": 256, "ALIGN": 4, "OP": op, "ACC": acc,
+                "DTYPE": dtype, "PACK": pack, "LANES": 1 << (world - 1).bit_length()}
+
+
 def specialisations():
     yield from _oneshot_specialisations()
     yield from _streamed_specialisations()
+    yield from _lowlatency_specialisations()
     for world, me in ((2, 1), (4, 0), (4, 3)):
         for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max")):
             for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):

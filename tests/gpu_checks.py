@@ -263,21 +263,7 @@ def stream_changes(tg, rank, world, device, gen):
         dist.all_gather_into_tensor(want_y, y)
         dist.reduce_scatter_tensor(want_z, z)
         got_y, got_z = torch.full_like(want_y, 7), torch.full_like(want_z, 7)
-        side.wait_stream(torch.cuda.current_stream())  # the inputs are ready on both streams
-        for _ in range(4):
-            a @ a
-        work = dist.all_reduce(x, group=tg, async_op=True)
-        with torch.cuda.stream(side):
-            dist.all_gather_into_tensor(got_y, y, group=tg)
-        dist.reduce_scatter_tensor(got_z, z, group=tg)
-        with torch.cuda.stream(side):
-            for _ in range(4):
-                a @ a
-            dist.all_reduce(w, group=tg)
-        work_v = dist.all_reduce(v, group=tg, async_op=True)
-        work.wait()
-        work_v.wait()
-        torch.cuda.current_stream().wait_stream(side)
+        _calls_across_streams(tg, a, side, x, v, w, y, z, got_y, got_z)
         _check(f"async all_reduce before a call on another stream #{trial}", x, want_x)
         _check(f"all_gather on a side stream #{trial}", got_y, want_y)
         _check(f"reduce_scatter back on the caller's stream #{trial}", got_z, want_z)
@@ -286,6 +272,58 @@ def stream_changes(tg, rank, world, device, gen):
     for op, calls in (("all_reduce", 3 * rounds), ("all_gather_into_tensor", rounds), ("reduce_scatter_tensor", rounds)):
         _check(f"{op} served by tdist on every stream", torch.tensor(torch_tdist.stats(tg)[op]["tdist"]),
                torch.tensor(served[op] + calls))
+
+
+def _calls_across_streams(tg, a, side, x, v, w, y, z, got_y, got_z):
+    """stream_changes' calls: all_reduce(x) async behind matmuls, all_gather(y) on ``side``,
+    reduce_scatter(z) on the caller's stream, all_reduce(w) on ``side`` behind matmuls there,
+    all_reduce(v) async; then the caller's stream waits for all of them."""
+    side.wait_stream(torch.cuda.current_stream())  # the inputs are ready on both streams
+    for _ in range(4):
+        a @ a
+    work = dist.all_reduce(x, group=tg, async_op=True)
+    with torch.cuda.stream(side):
+        dist.all_gather_into_tensor(got_y, y, group=tg)
+    dist.reduce_scatter_tensor(got_z, z, group=tg)
+    with torch.cuda.stream(side):
+        for _ in range(4):
+            a @ a
+        dist.all_reduce(w, group=tg)
+    work_v = dist.all_reduce(v, group=tg, async_op=True)
+    work.wait()
+    work_v.wait()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def captured_stream_changes(tg, rank, world, device, gen):
+    """stream_changes' calls captured in one CUDA graph (the second stream joins the capture),
+    replayed on fresh inputs: inside a capture the group orders its calls across streams as it
+    does outside one (synchronous calls on the caller's stream, one kernel after another)."""
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16, generator=gen)
+    side = torch.cuda.Stream(device)
+    x, v, w = (torch.zeros(65536, device=device) for _ in range(3))
+    y, z = torch.zeros(4096, device=device), torch.zeros(4096 * world, device=device)
+    got_y, got_z = torch.empty(4096 * world, device=device), torch.empty(4096, device=device)
+
+    graph = _captured(lambda: _calls_across_streams(tg, a, side, x, v, w, y, z, got_y, got_z), warmups=2)
+    for replay in range(10):
+        fresh = [torch.randn(t.numel(), device=device, generator=gen) for t in (x, v, w, y, z)]
+        for t, f in zip((x, v, w, y, z), fresh):
+            t.copy_(f)
+        got_y.fill_(7)
+        got_z.fill_(7)
+        graph.replay()
+        want_x, want_v, want_w = (f.clone() for f in fresh[:3])
+        for t in (want_x, want_v, want_w):
+            dist.all_reduce(t)
+        want_y, want_z = torch.empty_like(got_y), torch.empty_like(got_z)
+        dist.all_gather_into_tensor(want_y, fresh[3])
+        dist.reduce_scatter_tensor(want_z, fresh[4])
+        _check(f"captured async all_reduce #{replay}", x, want_x)
+        _check(f"captured all_gather on a side stream #{replay}", got_y, want_y)
+        _check(f"captured reduce_scatter on the caller's stream #{replay}", got_z, want_z)
+        _check(f"captured all_reduce on the side stream after matmuls #{replay}", w, want_w)
+        _check(f"captured async all_reduce from the caller's stream #{replay}", v, want_v)
 
 
 def _captured(calls, warmups):
@@ -392,6 +430,41 @@ def streamed_path(tg, rank, world, device, gen):
     _progress(rank, "streamed_path: calls done")
     n = (1 << 18) + 3
     _graph_replays(sg, "streamed ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
+
+
+def lowlatency_path(tg, rank, world, device, gen):
+    """The low-latency kernel (triton_kernels/lowlatency.py) on a group that takes it wherever a
+    call fits: all_gather, reduce_scatter and all_reduce (sum, avg, max) in fp32 and bf16 at
+    sizes of one word to a full slot, even all-to-alls of bf16 and uint8, then 20 CUDA-graph
+    replays (an all_gather of 4096 bf16 and an all_reduce of 1000 fp32, both low-latency)."""
+    from torch_tdist import collectives
+
+    lg = _tdist_group({"TDIST_ALGORITHM": "lowlatency"})
+    served = []
+    original = collectives.Executor._lowlatency
+
+    def counted(self, *args, **kwargs):
+        served.append(args[1])
+        return original(self, *args, **kwargs)
+    collectives.Executor._lowlatency = counted
+    try:
+        _large_calls(lg, "lowlatency", (2, 1000, 4096 + 8, collectives.LOWLATENCY_SLOT_WORDS), world, device, gen)
+        for dtype in (torch.bfloat16, torch.uint8):
+            for n in (8, 4096):
+                x = _rand(n * world, dtype, device, gen)
+
+                def exchange(g):
+                    out = torch.full_like(x, 7)
+                    dist.all_to_all_single(out, x, group=g)
+                    return out
+                _check(f"lowlatency all_to_all_single {str(dtype)[6:]} n={n}", *_pair(exchange, lg))
+    finally:
+        collectives.Executor._lowlatency = original
+    global _checked
+    _checked += 1
+    if not {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"} <= set(served):
+        _failures.append(f"lowlatency: the kernel served only {sorted(set(served))}")
+    _graph_replays(lg, "lowlatency ", 1000, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
 def served_by_tdist(tg, rank, world, device, gen):
@@ -557,8 +630,9 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
-CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, graph_replay, bulk_path,
-          streamed_path, served_by_tdist, fused_ops,
+CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
+          graph_replay, bulk_path,
+          streamed_path, lowlatency_path, served_by_tdist, fused_ops,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

@@ -5,7 +5,8 @@ several rounds (reduce_scatter and scatter stage one piece per rank in each roun
 path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it serve these
 small ones too (with a 64K heap, still several rounds), and TDIST_ALGORITHM=streamed sends
 all_gather, reduce_scatter, all_reduce and even all-to-alls through the streamed kernel (triton_kernels/streamed.py: with a
-256K heap, several rounds of several steps).
+256K heap, several rounds of several steps). TDIST_ALGORITHM=lowlatency sends calls that fit its
+slots through the low-latency kernel (triton_kernels/lowlatency.py), one launch each.
 """
 
 import pytest
@@ -42,6 +43,11 @@ def streamed_pool(world_size):
     yield _pool(world_size, "256K", TDIST_ALGORITHM="streamed")
 
 
+@pytest.fixture
+def lowlatency_pool(world_size):
+    yield _pool(world_size, "1M", TDIST_ALGORITHM="lowlatency")  # 1-2 KB per slot
+
+
 def teardown_module():
     for pool in _POOLS.values():
         pool.shutdown()
@@ -67,6 +73,13 @@ def test_bulk_path(bulk_pool, n, dtype, seed):
 @pytest.mark.parametrize("n,dtype", [(5001, "float32"), (9000, "bfloat16"), (8, "float32")])
 def test_streamed_kernel(streamed_pool, n, dtype, seed):
     streamed_pool.run(J.large_messages, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 4])
+@pytest.mark.parametrize("n,dtype", [(250, "float32"), (500, "bfloat16")])
+def test_lowlatency_kernel(lowlatency_pool, n, dtype, seed):
+    lowlatency_pool.run(J.large_messages, n, dtype, seed, timeout=120)
 
 
 @pytest.mark.tdist_only

@@ -7,8 +7,10 @@ launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is l
 mailbox slot); large all_gathers, reduce_scatters and all_reduces, and even all-to-alls, are
 one launch each of ``triton_kernels/streamed.py`` (pushes, reductions and copies overlapped in
 steps; all_reduce two-shot; see STREAMED_FROM_BYTES); the bulk path (``bulk.py``: copies between
-heaps, see BULK_FROM_BYTES) serves large messages on the CPU and the fused overlap ops; reduce,
-scatter and gather are the publish/pull pair of ``triton_kernels/staged.py``.
+heaps, see BULK_FROM_BYTES) serves large messages on the CPU and the fused overlap ops; small
+all_gathers, all_reduces and even all-to-alls on GPUs are one launch of
+``triton_kernels/lowlatency.py`` (LOWLATENCY_UP_TO_BYTES); reduce, scatter and gather are the
+publish/pull pair of ``triton_kernels/staged.py``.
 """
 
 import collections
@@ -27,7 +29,7 @@ from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, oneshot, overlap, staged, streamed
+from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, staged, streamed
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -41,6 +43,10 @@ MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 ONESHOT_TILE_BYTES = 32768
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
+# One-shot and streamed launches may start while the kernel before them runs (programmatic
+# dependent launch: they wait for it in the kernel, tdl.wait_prior_kernels). In CUDA graphs on
+# 4 H200s that took an 8 KB all_gather from 6.1 to 5.4 us, kernel start to kernel start.
+DEPENDENT_LAUNCH = {} if language.INTERPRET or torch.version.hip else {"launch_pdl": True}
 # Streamed launches: the same programs and blocks on GPUs; under the interpreter small blocks, so
 # that the tests' messages take several steps. Blocks per step and program: on H200s 1 did best
 # at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
@@ -111,7 +117,24 @@ STREAMED_FROM_BYTES = {
              "all_to_all": 0},
 }
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
-ALGORITHMS = ("auto", "oneshot", "bulk", "streamed")
+# The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
+# rank pair (all_gather and all_reduce: the input, all-to-all: a share) whose shares are whole
+# 4-byte words. On 4 H200s, bf16, 100 calls in a CUDA graph, one-shot (even all-to-all:
+# streamed) -> low-latency per call: all_gather 8 and 64 KB 5.9 -> 4.3 and 7.2 -> 5.2 us,
+# all_reduce 6.1 -> 5.0 and 7.3 -> 5.5 us, all-to-all 8 and 64 KB (2 and 16 KB a share) 6.9 ->
+# 4.2 and 8.9 -> 4.5 us; reduce_scatter was slower (8 KB input: 5.4 -> 7.0 us), so it stays
+# one-shot. TDIST_ALGORITHM=lowlatency serves every call that fits a slot with it (the others
+# one-shot). A slot (per sender and parity) holds up to LOWLATENCY_SLOT_WORDS words, at most a
+# 16th of the heap in all; a program moves LOWLATENCY_BLOCK words of every share.
+LOWLATENCY_UP_TO_BYTES = {
+    "cpu": {},
+    "cuda": {"all_gather": 64 << 10, "all_reduce": 64 << 10, "all_to_all": 16 << 10},
+}
+LOWLATENCY_SLOT_WORDS = 4096 if language.INTERPRET else 16384
+LOWLATENCY_BLOCK = 4096 if language.INTERPRET else 256
+_LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+                       torch.int32: tl.int32}
+ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "lowlatency")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
@@ -248,6 +271,8 @@ class Executor:
         self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
         self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
+        self._lowlatency_words = max(4, min(LOWLATENCY_SLOT_WORDS, nbytes // 16 // (16 * world) // 4 * 4))
+        self._lines = heap.empty(2 * world * self._lowlatency_words, torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
         self._tree_epoch = 0
         # A quarter each: the mailboxes (two slots per peer), the bulk path's area, staging,
@@ -371,7 +396,7 @@ class Executor:
         else:
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
         copy = mode in ("all_gather", "broadcast", "all_to_all")
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
         self._launch(op, oneshot.oneshot_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._flags, self._words, self._counter, n, stride, root,
@@ -397,7 +422,7 @@ class Executor:
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
         programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS}
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
         self._launch(op, streamed.streamed_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._streamed_flags, self._words, self._counter, n, stride, part,
@@ -408,6 +433,41 @@ class Executor:
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **meta)
         self._check_status(op, dtype, n, self._counter[2:3])
+
+    def _suits_lowlatency(self, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int, stride: int = 0,
+                          reduce_op: str = "sum") -> bool:
+        """Whether the low-latency kernel serves a call of ``n`` elements per rank pair (see
+        ``_lowlatency``)."""
+        if self.algorithm not in ("auto", "lowlatency"):
+            return False
+        dtype, nbytes = src.dtype, n * src.element_size()
+        limit = 4 * self._lowlatency_words
+        if self.algorithm == "auto":
+            limit = min(limit, LOWLATENCY_UP_TO_BYTES[self._heap.device.type].get(mode, 0))
+        reducing = mode in ("all_reduce", "reduce_scatter")
+        return (0 < nbytes <= limit
+                and nbytes % 4 == 0 and stride * src.element_size() % 4 == 0
+                and src.element_size() <= 4 and src.data_ptr() % 4 == 0 and dst.data_ptr() % 4 == 0
+                and (not reducing or dtype in _LOWLATENCY_REDUCES))
+
+    def _lowlatency(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
+                    stride: int = 0, reduce_op: str = "sum"):
+        """One launch of ``lowlatency_kernel``: ``n`` elements per rank pair, ranks' parts
+        ``stride`` elements apart (as ``_oneshot``'s), moved as 4-byte words."""
+        dtype, per_word = src.dtype, 4 // src.element_size()
+        words, word_stride = n // per_word, stride // per_word
+        block = LOWLATENCY_BLOCK
+        copy = mode not in ("all_reduce", "reduce_scatter")
+        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
+        self._launch(op, lowlatency.lowlatency_kernel, (-(-words // block),),
+                     self._heap.ctx, src.view(torch.int32), dst.view(torch.int32), self._lines,
+                     self._counter, words, word_stride,
+                     _call_word(op, dtype) + (words << oneshot.COUNT_SHIFT.value),
+                     MODE=mode, WORLD=self.world_size, SLOT=self._lowlatency_words, BLOCK=block,
+                     ALIGN=4 if _aligned(torch.int32, (word_stride,)) else 1,
+                     OP="sum" if copy else reduce_op, ACC=_ACCUMULATOR.get(dtype, tl.float32),
+                     DTYPE=_LOWLATENCY_REDUCES.get(dtype, tl.int32), PACK=per_word if not copy else 1,
+                     LANES=self._lanes, **meta)
 
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
         """``method(op, call word, out, src, *args)`` of the bulk path. It is copies and stream
@@ -472,6 +532,7 @@ class Executor:
         signals = self._signals.data_ptr()
         yield self._flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._streamed_flags.data_ptr(), ONESHOT_PROGRAMS, world
+        yield self._lines.data_ptr(), 2 * self._lowlatency_words, world
         yield signals, 1, world
         yield signals + 8 * world, 1, world
         yield self._tree_signals.data_ptr(), 1, world
@@ -501,8 +562,8 @@ class Executor:
 
     def _plan(self, src: torch.Tensor, dst: torch.Tensor):
         """The call's launch as C++ can replay it for the next call of this shape (see
-        ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params)``, each
-        param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
+        ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params, dependent
+        launch)``, each param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
         address and LAUNCH_ROLE_PTR + 1 the output's. None when the call was not one plain
         launch on ``src`` and ``dst``."""
         if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
@@ -521,13 +582,13 @@ class Executor:
 
     def _launch_tuple(self, kernel, compiled, grid, args, meta, bind):
         """A recorded launch as ``LaunchPlan`` takes it: ``(function, grid, threads, shared
-        bytes, params)``; ``bind(name, tensor)`` says what a pointer parameter holds, ``(kind,
-        value)``, or None when it cannot be replayed (then None: neither can the launch). The
-        tensors of literal pointers are kept alive."""
+        bytes, params, dependent launch)``; ``bind(name, tensor)`` says what a pointer parameter
+        holds, ``(kind, value)``, or None when it cannot be replayed (then None: neither can the
+        launch). The tensors of literal pointers are kept alive."""
         md = compiled.metadata
         if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0)
                 or getattr(md, "profile_scratch_size", 0) or getattr(md, "launch_cooperative_grid", False)
-                or getattr(md, "launch_pdl", False) or compiled.function is None):
+                or compiled.function is None):
             return None
         bound = dict(zip(kernel.arg_names, args), **meta)
         params, pinned = [], []
@@ -550,7 +611,8 @@ class Executor:
                 return None
         params += [(0, 0), (0, 0)]  # Triton's global and profile scratch pointers: none
         self._planned.extend(pinned)
-        return (compiled.function, (grid + (1, 1))[:3], 32 * md.num_warps, md.shared, params)
+        return (compiled.function, (grid + (1, 1))[:3], 32 * md.num_warps, md.shared, params,
+                bool(getattr(md, "launch_pdl", False)))
 
     def _check_status(self, op: str, dtype: torch.dtype, count: int, status_slot=None):
         """Raise if a kernel saw a peer whose call differs from ours (on GPUs this reads device
@@ -588,7 +650,9 @@ class Executor:
         out = _Output(targets)
         n = src.numel()
         nbytes = src.numel() * src.element_size()
-        if self._takes("bulk", "all_gather", nbytes):
+        if self._suits_lowlatency("all_gather", src, out.flat, n, n):
+            self._lowlatency(op, "all_gather", src, out.flat, n, stride=n)
+        elif self._takes("bulk", "all_gather", nbytes):
             self._bulk_call(op, self._bulk.all_gather, out.flat, src)
         elif self._takes("streamed", "all_gather", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
@@ -612,7 +676,9 @@ class Executor:
         out = _Output([output])
         n = output.numel()
         nbytes = src.numel() * src.element_size()
-        if self._takes("bulk", "reduce_scatter", nbytes):
+        if self._suits_lowlatency("reduce_scatter", src, out.flat, n, n, reduce_op):
+            self._lowlatency(name, "reduce_scatter", src, out.flat, n, stride=n, reduce_op=reduce_op)
+        elif self._takes("bulk", "reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
         elif self._takes("streamed", "reduce_scatter", nbytes):
             for start, length, left in self._slot_rounds(n, src.dtype):
@@ -637,7 +703,9 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             nbytes = src.numel() * src.element_size()
-            if self._takes("bulk", "all_reduce", nbytes):
+            if self._suits_lowlatency("all_reduce", src, out.flat, src.numel(), 0, reduce_op):
+                self._lowlatency(name, "all_reduce", src, out.flat, src.numel(), reduce_op=reduce_op)
+            elif self._takes("bulk", "all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
             elif self._takes("streamed", "all_reduce", nbytes):  # a share per rank: half a slot each
                 shares = self.world_size * (self._slot_bytes // src.element_size() // 2)
@@ -682,6 +750,10 @@ class Executor:
         self._begin(op, src)
         out = _Output([output])
         n = src.numel() // self.world_size
+        if self._suits_lowlatency("all_to_all", src, out.flat, n, n):
+            self._lowlatency(op, "all_to_all", src, out.flat, n, stride=n)
+            out.finish()
+            return
         streams = self._takes("streamed", "all_to_all", src.numel() * src.element_size())
         for start, length, left in self._slot_rounds(n, src.dtype):
             if streams:

@@ -41,8 +41,8 @@ CTX_BASES = tl.constexpr(8)
 # program (program % STUCK_RECORDS) where a GPU wait that was stuck when the group was aborted
 # leaves the address of the slot it waited on. The C++ watchdog names those slots' peers.
 PAGE_REGIONS = tl.constexpr(8)
-MAX_REGIONS = tl.constexpr(8)
-PAGE_STUCK = tl.constexpr(32)
+MAX_REGIONS = tl.constexpr(12)
+PAGE_STUCK = tl.constexpr(48)
 STUCK_RECORDS = tl.constexpr(64)
 
 
@@ -59,6 +59,12 @@ def _decide_interpret() -> bool:
 
 INTERPRET = _decide_interpret()
 """True when kernels run under the Triton interpreter (no GPU, or TDIST_INTERPRET=1)."""
+
+
+def torch_version_hip() -> bool:
+    import torch
+
+    return torch.version.hip is not None
 
 
 if INTERPRET:
@@ -230,6 +236,14 @@ if INTERPRET:
         """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds."""
         _spin_all(sigs, value, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
+    @jit
+    def wait_lines(ctx, lines, mask, flag):
+        """Spin until every int64 line of the block ``lines`` where ``mask`` holds carries
+        ``flag`` in its high half (a line is ``flag << 32 | 32 bits of data``, stored at once: see
+        triton_kernels/lowlatency.py); returns the lines (0 where masked)."""
+        _spin_lines(lines, mask, flag, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
+        return tl.load(lines, mask=mask, other=0)
+
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
         """An interpreter scalar (or a constexpr, or an int) as a Python int."""
@@ -259,6 +273,22 @@ if INTERPRET:
                        host_int(abort_address))
         except PeerTimeoutError as err:
             err.address, err.satisfied = int(sigs.handle.data.reshape(-1)[live][0]), (lambda seen: seen >= wanted)
+            raise
+
+    def _spin_lines(lines, mask, flag, timeout_ms, abort_address):
+        wanted = host_int(flag)
+        live = mask.handle.data.astype(bool)
+        addresses = lines.handle.data
+
+        def short_lines():
+            seen = tl.load(lines, mask=mask, other=0, volatile=True).handle.data
+            return live & (((seen >> 32) & 0xFFFFFFFF) != wanted)
+        try:
+            poll_until(lambda: int(short_lines().sum()), lambda short: short == 0,
+                       host_int(timeout_ms) / 1000.0, f"lines with flag {wanted:#x}", host_int(abort_address))
+        except PeerTimeoutError as err:
+            err.address = int(addresses[short_lines()].reshape(-1)[0])
+            err.satisfied = lambda seen: ((seen >> 32) & 0xFFFFFFFF) == wanted
             raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
@@ -316,6 +346,30 @@ else:
         tl.debug_barrier()  # a thread per slot acquired; the whole program reads after them
 
     @jit
+    def wait_lines(ctx, lines, mask, flag):
+        """Spin until every int64 line of the block ``lines`` where ``mask`` holds carries
+        ``flag`` in its high half (a line is ``flag << 32 | 32 bits of data``, stored at once: see
+        triton_kernels/lowlatency.py), or the group's abort word is set; returns the lines (0
+        where masked), read with volatile loads."""
+        abort = tl.load(ctx + CTX_ABORT)
+        seen = tl.load(lines, mask=mask, other=0, volatile=True)
+        short = largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag), 1, 0)))
+        polls = 0
+        gave_up = abort < 0  # (False: an address)
+        while (short != 0) & (not gave_up):
+            seen = tl.load(lines, mask=mask, other=0, volatile=True)
+            short = largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag), 1, 0)))
+            polls += 1
+            if (polls % ABORT_POLLS == 0) & (abort != 0):
+                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
+        if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (as in wait_all)
+            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
+            tl.store(stuck.to(tl.pointer_type(tl.int64)),
+                     largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag),
+                                               tl.cast(lines, tl.int64), 0))))
+        return seen
+
+    @jit
     def _short_of(seen, value, EQUAL: tl.constexpr):
         if EQUAL:
             return seen != value
@@ -338,6 +392,29 @@ else:
             tl.store(stuck.to(tl.pointer_type(tl.int64)), tl.cast(sig, tl.int64))
         tl.debug_barrier()  # one thread acquired; the whole program reads after it
         return seen
+
+
+if INTERPRET or torch_version_hip():
+    def wait_prior_kernels():
+        """Programmatic dependent launch: this kernel waits here until the kernel before it on
+        the stream has finished and its memory is visible. Nothing before this call may read
+        what earlier kernels write (the ctx tensor is safe). A no-op where kernels run one after
+        another anyway (the interpreter, AMD GPUs)."""
+
+    def start_next_kernel():
+        """Lets the next kernel on the stream (if it was launched for it, ``launch_pdl=True``)
+        be scheduled now, to reach its :func:`wait_prior_kernels` while this one runs."""
+
+else:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @jit
+    def wait_prior_kernels():
+        gdc_wait()
+
+    @jit
+    def start_next_kernel():
+        gdc_launch_dependents()
 
 
 @jit

@@ -132,16 +132,18 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
-    stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
-    epoch = tl.load(counter + 1) + 1
-    parity = epoch % 2
-    my_slot = (parity * WORLD + me) * cap
-
     lanes = tl.arange(0, LANES)
     live = lanes < WORLD
     to_rank = tl.where(live, (me + lanes) % WORLD, me)
     from_rank = tl.where(live, lanes, 0)
-    mailboxes = tdl.symm_at(ctx, box, to_rank) + my_slot  # this rank's slot on each rank
+    peer_boxes = tdl.symm_at(ctx, box, to_rank)
+    tdl.wait_prior_kernels()  # (only ctx was read before this)
+    tdl.start_next_kernel()
+    stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
+    epoch = tl.load(counter + 1) + 1
+    parity = epoch % 2
+    my_slot = (parity * WORLD + me) * cap
+    mailboxes = peer_boxes + my_slot  # this rank's slot on each rank
     if (MODE == "reduce_scatter") or (MODE == "all_to_all"):  # a share per rank: all moved at once
         off, count = _share(me, to_rank, n, stride, root, tables, MODE, WORLD, False, ALIGN)
         _copy_rows(mailboxes, src + tl.multiple_of(off, ALIGN), count + lanes * 0, live, pid, nprog, BLOCK)

@@ -74,6 +74,8 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
+    tdl.wait_prior_kernels()  # (only ctx was read before this)
+    tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
     part = tl.cast(part, tl.int64)
     epoch = tl.load(counter + 1) + 1
