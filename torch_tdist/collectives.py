@@ -43,10 +43,12 @@ MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 ONESHOT_TILE_BYTES = 32768
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
-# One-shot and streamed launches may start while the kernel before them runs (programmatic
-# dependent launch: they wait for it in the kernel, tdl.wait_prior_kernels). In CUDA graphs on
-# 4 H200s that took an 8 KB all_gather from 6.1 to 5.4 us, kernel start to kernel start.
-DEPENDENT_LAUNCH = {} if language.INTERPRET or torch.version.hip else {"launch_pdl": True}
+# Launch options of the one-shot, streamed and low-latency kernels. They may start while the
+# kernel before them runs (programmatic dependent launch: they wait for it in the kernel,
+# tdl.wait_prior_kernels); in CUDA graphs on 4 H200s that took an 8 KB all_gather from 6.1 to
+# 5.4 us, kernel start to kernel start.
+SIGNALLING_META = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS,
+                                                 **({"launch_pdl": True} if language.DEPENDENT_LAUNCH else {})}
 # Streamed launches: the same programs and blocks on GPUs; under the interpreter small blocks, so
 # that the tests' messages take several steps. Blocks per step and program: on H200s 1 did best
 # at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
@@ -396,7 +398,6 @@ class Executor:
         else:
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
         copy = mode in ("all_gather", "broadcast", "all_to_all")
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
         self._launch(op, oneshot.oneshot_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._flags, self._words, self._counter, n, stride, root,
@@ -406,7 +407,7 @@ class Executor:
                      ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
-                     LANES=self._lanes, **meta)
+                     LANES=self._lanes, **SIGNALLING_META)
         self._check_status(op, dtype, n, self._counter[2:3])
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
@@ -422,7 +423,6 @@ class Executor:
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
         programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
         self._launch(op, streamed.streamed_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._streamed_flags, self._words, self._counter, n, stride, part,
@@ -431,11 +431,10 @@ class Executor:
                      ALIGN=_vector(dtype) if _aligned(dtype, (stride, part)) else 1,
                      OP=reduce_op if reducing else "sum",
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
-                     MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **meta)
+                     MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
         self._check_status(op, dtype, n, self._counter[2:3])
 
-    def _suits_lowlatency(self, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int, stride: int = 0,
-                          reduce_op: str = "sum") -> bool:
+    def _suits_lowlatency(self, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int, stride: int = 0) -> bool:
         """Whether the low-latency kernel serves a call of ``n`` elements per rank pair (see
         ``_lowlatency``)."""
         if self.algorithm not in ("auto", "lowlatency"):
@@ -458,7 +457,6 @@ class Executor:
         words, word_stride = n // per_word, stride // per_word
         block = LOWLATENCY_BLOCK
         copy = mode not in ("all_reduce", "reduce_scatter")
-        meta = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS, **DEPENDENT_LAUNCH}
         self._launch(op, lowlatency.lowlatency_kernel, (-(-words // block),),
                      self._heap.ctx, src.view(torch.int32), dst.view(torch.int32), self._lines,
                      self._counter, words, word_stride,
@@ -467,7 +465,7 @@ class Executor:
                      ALIGN=4 if _aligned(torch.int32, (word_stride,)) else 1,
                      OP="sum" if copy else reduce_op, ACC=_ACCUMULATOR.get(dtype, tl.float32),
                      DTYPE=_LOWLATENCY_REDUCES.get(dtype, tl.int32), PACK=per_word if not copy else 1,
-                     LANES=self._lanes, **meta)
+                     LANES=self._lanes, **SIGNALLING_META)
 
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
         """``method(op, call word, out, src, *args)`` of the bulk path. It is copies and stream
@@ -676,7 +674,7 @@ class Executor:
         out = _Output([output])
         n = output.numel()
         nbytes = src.numel() * src.element_size()
-        if self._suits_lowlatency("reduce_scatter", src, out.flat, n, n, reduce_op):
+        if self._suits_lowlatency("reduce_scatter", src, out.flat, n, n):
             self._lowlatency(name, "reduce_scatter", src, out.flat, n, stride=n, reduce_op=reduce_op)
         elif self._takes("bulk", "reduce_scatter", nbytes):
             self._bulk_call(name, self._bulk.reduce_scatter, out.flat, src, reduce_op)
@@ -703,7 +701,7 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             nbytes = src.numel() * src.element_size()
-            if self._suits_lowlatency("all_reduce", src, out.flat, src.numel(), 0, reduce_op):
+            if self._suits_lowlatency("all_reduce", src, out.flat, src.numel()):
                 self._lowlatency(name, "all_reduce", src, out.flat, src.numel(), reduce_op=reduce_op)
             elif self._takes("bulk", "all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)

@@ -61,10 +61,15 @@ INTERPRET = _decide_interpret()
 """True when kernels run under the Triton interpreter (no GPU, or TDIST_INTERPRET=1)."""
 
 
-def torch_version_hip() -> bool:
+def _dependent_launch() -> bool:
     import torch
 
-    return torch.version.hip is not None
+    return not INTERPRET and torch.version.hip is None
+
+
+DEPENDENT_LAUNCH = _dependent_launch()
+"""Whether kernels can be launched with programmatic dependent launch (CUDA GPUs): see
+:func:`wait_prior_kernels`."""
 
 
 if INTERPRET:
@@ -394,7 +399,7 @@ else:
         return seen
 
 
-if INTERPRET or torch_version_hip():
+if not DEPENDENT_LAUNCH:
     def wait_prior_kernels():
         """Programmatic dependent launch: this kernel waits here until the kernel before it on
         the stream has finished and its memory is visible. Nothing before this call may read

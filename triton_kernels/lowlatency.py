@@ -14,7 +14,7 @@ Program ``q`` of every rank, for words ``[q * BLOCK, (q + 1) * BLOCK)`` of every
 1. stores its lines into slot ``[me][parity]`` of every rank (itself included);
 2. polls its lines from every rank until each carries the flag (``tdl.wait_lines``), then sets
    them back to 0;
-3. copies the words out (all_gather, all-to-all, broadcast), or reduces them in rank order
+3. copies the words out (all_gather, all-to-all), or reduces them in rank order
    (every rank the same order, so every rank gets the same bits).
 
 The flag (the high half of a line) is ``2^31 | (epoch mod 2^16) << 15 | 15 bits of the call
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import _share
+from .oneshot import _share, rank_lanes
 from .staged import _arrive_last, _combine
 
 LOW = tl.constexpr(0xFFFFFFFF)
@@ -99,10 +99,7 @@ def lowlatency_kernel(ctx, src, dst, lines, counter, n, stride, call_word,
     words. ``DTYPE``, ``PACK``: the elements and how many a word holds (reductions)."""
     pid = tl.program_id(0)
     me = tdl.rank(ctx)
-    lanes = tl.arange(0, LANES)
-    live = lanes < WORLD
-    to_rank = tl.where(live, (me + lanes) % WORLD, me)
-    from_rank = tl.where(live, lanes, 0)
+    lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
     peer_lines = tdl.symm_at(ctx, lines, to_rank)
     tdl.wait_prior_kernels()  # (only ctx was read before this)
     tdl.start_next_kernel()

@@ -105,6 +105,15 @@ def _share(me, d, n, stride, root, tables, MODE: tl.constexpr, WORLD: tl.constex
 
 
 @tdl.jit
+def rank_lanes(me, WORLD: tl.constexpr, LANES: tl.constexpr):
+    """A lane per rank, for signalling every rank at once: (lanes, live (lanes < WORLD), to_rank
+    (the rank ``me + lane``, from this rank on), from_rank (the rank ``lane``))."""
+    lanes = tl.arange(0, LANES)
+    live = lanes < WORLD
+    return lanes, live, tl.where(live, (me + lanes) % WORLD, me), tl.where(live, lanes, 0)
+
+
+@tdl.jit
 def _copy_rows(dst, src, counts, rows, pid, nprog, BLOCK: tl.constexpr):
     """Row ``r`` of a block of rows, where ``rows`` holds: ``counts[r]`` elements from ``src[r]``
     to ``dst[r]`` (blocks of pointers), this program's blocks ``pid, pid + nprog, ...`` of each.
@@ -132,10 +141,7 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
-    lanes = tl.arange(0, LANES)
-    live = lanes < WORLD
-    to_rank = tl.where(live, (me + lanes) % WORLD, me)
-    from_rank = tl.where(live, lanes, 0)
+    lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
     peer_boxes = tdl.symm_at(ctx, box, to_rank)
     tdl.wait_prior_kernels()  # (only ctx was read before this)
     tdl.start_next_kernel()

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import call_words_differ, send_call_words
+from .oneshot import call_words_differ, rank_lanes, send_call_words
 from .staged import _arrive_last, _combine
 
 MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's room per epoch)
@@ -89,10 +89,7 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     blocks = tl.maximum((longest - pid * BLOCK + nprog * BLOCK - 1) // (nprog * BLOCK), 0)
     steps = tl.maximum((blocks + STEP - 1) // STEP, 1)
     iterations = steps + 2 if MODE == "all_reduce" else steps + 1
-    lanes = tl.arange(0, LANES)
-    live = lanes < WORLD
-    to_rank = tl.where(live, (me + lanes) % WORLD, me)
-    from_rank = tl.where(live, lanes, 0)
+    lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
     status = pid * 0
 
     for k in range(0, iterations):
