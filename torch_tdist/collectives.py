@@ -121,8 +121,8 @@ STREAMED_FROM_BYTES = {
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
 # The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
 # rank pair (all_gather and all_reduce: the input, all-to-all: a share) whose shares are whole
-# 4-byte words. On 4 H200s, bf16, 100 calls in a CUDA graph, one-shot (even all-to-all:
-# streamed) -> low-latency per call: all_gather 8 and 64 KB 5.9 -> 4.3 and 7.2 -> 5.2 us,
+# 4-byte words. On 4 H200s, bf16, 100 calls in a CUDA graph (a throwaway probe), one-shot
+# (even all-to-all: streamed) -> low-latency per call: all_gather 8 and 64 KB 5.9 -> 4.3 and 7.2 -> 5.2 us,
 # all_reduce 6.1 -> 5.0 and 7.3 -> 5.5 us, all-to-all 8 and 64 KB (2 and 16 KB a share) 6.9 ->
 # 4.2 and 8.9 -> 4.5 us; reduce_scatter was slower (8 KB input: 5.4 -> 7.0 us), so it stays
 # one-shot. TDIST_ALGORITHM=lowlatency serves every call that fits a slot with it (the others
