@@ -93,6 +93,7 @@ def report_and_exit(rank, checked: int, failures: list[str], what: str = "checks
 
 
 def every_op(tg, rank, world, device, gen):
+    handed_before = torch_tdist.stats(tg)["all_to_all_single"]["fallback"]
     for dtype in DTYPES:
         for n in SIZES:
             for trial in range(REPEATS):
@@ -129,6 +130,9 @@ def every_op(tg, rank, world, device, gen):
                         dist.reduce_scatter_tensor(out, src, op=rop, group=g)
                         return out
                     _check(f"reduce_scatter {name} {tag}", *_pair(reduce_scatter, tg))
+    handed = torch_tdist.stats(tg)["all_to_all_single"]["fallback"] - handed_before
+    if handed:  # even all-to-alls are tdist's at every size
+        _failures.append(f"all_to_all_single: {handed} even calls handed to NCCL")
 
 
 def uneven_all_to_all(tg, rank, world, device, gen):

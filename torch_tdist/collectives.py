@@ -43,6 +43,11 @@ MAX_PROGRAMS = 1 if language.INTERPRET else 528  # 4 per H200 SM
 ONESHOT_TILE_BYTES = 32768
 ONESHOT_PROGRAMS = 1 if language.INTERPRET else 132  # H200: 132 SMs
 ONESHOT_WARPS = 8
+# A message of fewer than ONESHOT_PROGRAMS full tiles is spread over every program instead, in
+# tiles down to one 16-byte access per thread. On 4 H200s, bf16, CUDA graphs: reduce_scatter
+# 8 KB to 1 MB 4.8-7.5 -> 4.4-7.2 us a call; the streamed kernel gained nothing from the same
+# rule (all_reduce 512 KB to 16 MB; all_gather, reduce_scatter, all-to-all at 4 and 16 MB).
+ONESHOT_MIN_TILE_BYTES = 16 * 32 * ONESHOT_WARPS
 # Launch options of the one-shot, streamed and low-latency kernels. They may start while the
 # kernel before them runs (programmatic dependent launch: they wait for it in the kernel,
 # tdl.wait_prior_kernels); in CUDA graphs on 4 H200s that took an 8 KB all_gather from 6.1 to
@@ -67,7 +72,7 @@ STREAMED_STEP_BLOCKS = 1
 # is served up to 1 MB. The one-shot all-to-all (132 programs whatever the size when split sizes
 # are given: the grid must not depend on counts that may differ across ranks) is 0.36x-0.57x in
 # CUDA graphs (collectives_NVIDIA_H200-x4-a2a-bcast.json), so NCCL serves all_to_all_single but
-# for even ones, which the streamed kernel serves at every size (STREAMED_FROM_BYTES). all_reduce
+# for even ones, which tdist's kernels serve at every size (here and STREAMED_FROM_BYTES). all_reduce
 # did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
 # collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it above
@@ -77,7 +82,7 @@ STREAMED_STEP_BLOCKS = 1
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
-    "broadcast": 1 << 20, "all_to_all_single": 0,
+    "broadcast": 1 << 20, "all_to_all_single": 1 << 20,
 }
 GPU_UNEVEN_ALL_TO_ALL = False
 # the key of each op in BULK_FROM_BYTES and STREAMED_FROM_BYTES
@@ -111,12 +116,14 @@ BULK_FROM_BYTES = {
 # at 8 KB to 64 MB, one-shot 0.27x-0.57x. Since the one-shot kernel moves every rank's share at
 # once (collectives_NVIDIA_H200-x4-oneshot-tiles.json) it serves 1 MB all_gathers and
 # all_reduces (19.0 and 18.1 us in CUDA graphs, streamed 21.2 and 20.4 us), and matches the
-# streamed kernel on even all-to-alls from 8 KB to 4 MB. Between one-shot's limit
+# streamed kernel on even all-to-alls from 8 KB to 4 MB; spread over every program
+# (ONESHOT_MIN_TILE_BYTES) it beats it on those from 256 KB to 1 MB (5.7-8.0 against 7.3-8.2 us
+# in CUDA graphs; smaller ones go to the low-latency kernel). Between one-shot's limit
 # (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
 STREAMED_FROM_BYTES = {
     "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None},
     "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (1 << 20) + 1,
-             "all_to_all": 0},
+             "all_to_all": (1 << 20) + 1},
 }
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
 # The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
@@ -136,6 +143,8 @@ LOWLATENCY_SLOT_WORDS = 4096 if language.INTERPRET else 16384
 LOWLATENCY_BLOCK = 4096 if language.INTERPRET else 256
 _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                        torch.int32: tl.int32}
+# (every launch of these kernels counts its epoch in a slot per program)
+assert max(ONESHOT_PROGRAMS, LOWLATENCY_SLOT_WORDS // LOWLATENCY_BLOCK) <= oneshot.EPOCH_SLOTS.value
 ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "lowlatency")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
@@ -272,6 +281,7 @@ class Executor:
         self._flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._words = heap.empty(oneshot.word_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
+        self._call_status = self._counter[oneshot.STATUS_SLOT.value:oneshot.STATUS_SLOT.value + 1]
         self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._lowlatency_words = max(4, min(LOWLATENCY_SLOT_WORDS, nbytes // 16 // (16 * world) // 4 * 4))
         self._lines = heap.empty(2 * world * self._lowlatency_words, torch.int64)
@@ -396,6 +406,9 @@ class Executor:
         if mode == "all_to_all" and n == 0:  # ranks' counts may differ, the grid must not
             programs = ONESHOT_PROGRAMS
         else:
+            if not language.INTERPRET:  # spread over every program, in tiles of whole 16-byte accesses
+                smallest = max(ONESHOT_MIN_TILE_BYTES // dtype.itemsize // self._lanes, 16)
+                block = max(smallest, min(block, triton.next_power_of_2(-(-n // ONESHOT_PROGRAMS))))
             programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
         copy = mode in ("all_gather", "broadcast", "all_to_all")
         self._launch(op, oneshot.oneshot_kernel, (programs,),
@@ -408,7 +421,7 @@ class Executor:
                      OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
                      LANES=self._lanes, **SIGNALLING_META)
-        self._check_status(op, dtype, n, self._counter[2:3])
+        self._check_status(op, dtype, n, self._call_status)
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                   stride: int = 0, reduce_op: str = "sum", rounds_left: int = 1):
@@ -432,7 +445,7 @@ class Executor:
                      OP=reduce_op if reducing else "sum",
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if reducing else tl.float32,
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
-        self._check_status(op, dtype, n, self._counter[2:3])
+        self._check_status(op, dtype, n, self._call_status)
 
     def _suits_lowlatency(self, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int, stride: int = 0) -> bool:
         """Whether the low-latency kernel serves a call of ``n`` elements per rank pair (see

@@ -21,7 +21,7 @@ The flag (the high half of a line) is ``2^31 | (epoch mod 2^16) << 15 | 15 bits 
 word``: never 0, so a line set back to 0 never passes for a new one, and a peer making another
 call (op, dtype or count) sends lines that never pass (the wait ends with the group's timeout).
 A slot is free when a peer writes it by the one-shot kernel's parity rule, with the same epoch
-counter (``counter[1]``): it needs every rank to receive lines from every rank in every call,
+counters (``oneshot.next_epoch``): it needs every rank to receive lines from every rank in every call,
 which is why broadcast (non-roots send nothing) is left to the one-shot kernel.
 
 Lines: ``lines[WORLD][2][SLOT]`` int64 (each sender's slots together, so the watchdog can name a
@@ -32,8 +32,8 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import _share, rank_lanes
-from .staged import _arrive_last, _combine
+from .oneshot import _share, end_call, next_epoch, rank_lanes
+from .staged import _combine
 
 LOW = tl.constexpr(0xFFFFFFFF)
 
@@ -104,7 +104,7 @@ def lowlatency_kernel(ctx, src, dst, lines, counter, n, stride, call_word,
     tdl.wait_prior_kernels()  # (only ctx was read before this)
     tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)
-    epoch = tl.load(counter + 1) + 1
+    epoch = next_epoch(counter)
     parity = epoch % 2
     flag = line_flag(epoch, call_word)
     high = flag << 32
@@ -146,5 +146,4 @@ def lowlatency_kernel(ctx, src, dst, lines, counter, n, stride, call_word,
         off, _ = _part(me, from_rank, n, stride, MODE, WORLD, True)
         tl.store(dst + tl.multiple_of(off, ALIGN)[:, None] + offs[None, :], words, mask=mask)
 
-    if _arrive_last(counter, 0):
-        tl.store(counter + 1, epoch)  # every program of this launch has read it
+    end_call(counter, epoch)

@@ -24,15 +24,15 @@ epoch across calls, compared with ``>=``). Mailboxes, call words and the epoch c
 one-shot kernel's (same layout, same parity rule): a rank that starts call ``e + 2`` has seen
 every peer's first signal of ``e + 1``, so every peer had finished ``e`` and its slots of parity
 ``e % 2`` are free, whichever kernel served each call. A call word that differs (status slot
-``counter[2]``) stops this rank's waits, reductions and copies; pushes stay within a slot.
+of ``counter``) stops this rank's waits, reductions and copies; pushes stay within a slot.
 """
 
 import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import call_words_differ, rank_lanes, send_call_words
-from .staged import _arrive_last, _combine
+from .oneshot import call_words_differ, end_call, next_epoch, rank_lanes, send_call_words
+from .staged import _combine
 
 MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's room per epoch)
 
@@ -78,7 +78,7 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
     part = tl.cast(part, tl.int64)
-    epoch = tl.load(counter + 1) + 1
+    epoch = next_epoch(counter)
     parity = epoch % 2
     base = epoch * MAX_STEPS
     half = cap // 2
@@ -153,5 +153,4 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
             tl.debug_barrier()  # every thread's pushes before the releases
             tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live)
 
-    if _arrive_last(counter, 0):
-        tl.store(counter + 1, epoch)  # every program of this launch has read it
+    end_call(counter, epoch)
