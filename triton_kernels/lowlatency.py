@@ -21,7 +21,7 @@ The flag (the high half of a line) is ``2^31 | (epoch mod 2^16) << 15 | 15 bits 
 word``: never 0, so a line set back to 0 never passes for a new one, and a peer making another
 call (op, dtype or count) sends lines that never pass (the wait ends with the group's timeout).
 A slot is free when a peer writes it by the one-shot kernel's parity rule, with the same epoch
-counters (``oneshot.next_epoch``): it needs every rank to receive lines from every rank in every call,
+counters (``oneshot.start_call``): it needs every rank to receive lines from every rank in every call,
 which is why broadcast (non-roots send nothing) is left to the one-shot kernel.
 
 Lines: ``lines[WORLD][2][SLOT]`` int64 (each sender's slots together, so the watchdog can name a
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import _share, end_call, next_epoch, rank_lanes
+from .oneshot import _share, end_call, rank_lanes, start_call
 from .staged import _combine
 
 LOW = tl.constexpr(0xFFFFFFFF)
@@ -101,11 +101,8 @@ def lowlatency_kernel(ctx, src, dst, lines, counter, n, stride, call_word,
     me = tdl.rank(ctx)
     lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
     peer_lines = tdl.symm_at(ctx, lines, to_rank)
-    tdl.wait_prior_kernels()  # (only ctx was read before this)
-    tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)
-    epoch = next_epoch(counter)
-    parity = epoch % 2
+    epoch, parity = start_call(counter)
     flag = line_flag(epoch, call_word)
     high = flag << 32
     offs = pid * BLOCK + tl.arange(0, BLOCK)

@@ -25,7 +25,7 @@ had started ``e + 1``, which runs after its ``e`` on the same stream: slot ``e %
 This needs every rank to wait on every peer, which is why even broadcast's non-roots raise
 flags, and why all of a group's launches on a rank must run in one stream order.
 
-The epoch lives in device memory, a slot per program number (``next_epoch`` / ``end_call``):
+The epoch lives in device memory, a slot per program number (``start_call`` / ``end_call``):
 each program reads its own slot at the start and, at its end, stores the epoch into the slots
 of its program numbers modulo the grid, so a CUDA graph replays correctly with nothing baked
 in, and no program waits for the others to end (an atomic count cost 0.8 us a call).
@@ -81,9 +81,14 @@ def call_words_differ(words, counter, parity, pid, call_word, counts, from_rank,
 
 
 @tdl.jit
-def next_epoch(counter):
-    """The epoch of this call: one more than the last call's, from this program's slot."""
-    return tl.load(counter + 1 + tl.program_id(0)) + 1
+def start_call(counter):
+    """(epoch, parity) of this call, once the kernel before it has ended (programmatic dependent
+    launch: only ``ctx`` may be read before this), which also lets the next kernel be scheduled.
+    The epoch is one more than the last call's, from this program's slot (see ``end_call``)."""
+    tdl.wait_prior_kernels()
+    tdl.start_next_kernel()
+    epoch = tl.load(counter + 1 + tl.program_id(0)) + 1
+    return epoch, epoch % 2
 
 
 @tdl.jit
@@ -163,11 +168,8 @@ def oneshot_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, ro
     me = tdl.rank(ctx)
     lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
     peer_boxes = tdl.symm_at(ctx, box, to_rank)
-    tdl.wait_prior_kernels()  # (only ctx was read before this)
-    tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
-    epoch = next_epoch(counter)
-    parity = epoch % 2
+    epoch, parity = start_call(counter)
     my_slot = (parity * WORLD + me) * cap
     mailboxes = peer_boxes + my_slot  # this rank's slot on each rank
     if (MODE == "reduce_scatter") or (MODE == "all_to_all"):  # a share per rank: all moved at once

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from torch_tdist import language as tdl
 
-from .oneshot import call_words_differ, end_call, next_epoch, rank_lanes, send_call_words
+from .oneshot import call_words_differ, end_call, rank_lanes, send_call_words, start_call
 from .staged import _combine
 
 MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's room per epoch)
@@ -74,12 +74,9 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
-    tdl.wait_prior_kernels()  # (only ctx was read before this)
-    tdl.start_next_kernel()
     stride = tl.cast(stride, tl.int64)  # rank x stride may pass 2^31 (an int32 argument)
     part = tl.cast(part, tl.int64)
-    epoch = next_epoch(counter)
-    parity = epoch % 2
+    epoch, parity = start_call(counter)
     base = epoch * MAX_STEPS
     half = cap // 2
     own, mine = _share(me, n, stride, part, MODE)
