@@ -513,6 +513,41 @@ def fused_ops(tg, rank, world, device, gen):
         print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
 
 
+def pipelined_graphs(tg, rank, world, device, gen):
+    """Pipelined ops replayed as CUDA graphs (Executor._run_program): the same tensors, refilled
+    with fresh random data and the outputs poisoned before every call, so that calls from the
+    third on replay a graph; each call's outputs against NCCL + torch.matmul in float32."""
+    if NVSHMEM:
+        return
+    executor = torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"}))
+    m, n, k, calls = 256, 512, 384, 5
+
+    def empty(*shape):
+        return torch.empty(*shape, device=device, dtype=torch.bfloat16)
+    a, b, out, a_out = empty(m, k), empty(k, n), empty(world * m, n), empty(world * m, k)
+    rs_a, rs_out = empty(world * m, k), empty(m, n)
+    for call in range(calls):
+        for t in (a, b, rs_a):
+            t.copy_(torch.randn(t.shape, device=device, generator=gen))
+        for t in (out, a_out, rs_out):
+            t.fill_(float("nan"))
+        if not (executor.all_gather_matmul_pipelined(a, b, out, a_out, 2)
+                and executor.matmul_reduce_scatter_pipelined(rs_a, b, rs_out, "sum", 2)):
+            _failures.append("pipelined_graphs: the heap did not take the pipelined ops")
+            return
+        a_full = torch.empty(world * m, k, device=device)
+        dist.all_gather_into_tensor(a_full, a.float())
+        _relative(f"graphs all_gather_matmul call {call}", out, a_full @ b.float())
+        _relative(f"graphs all_gather_matmul gathered A call {call}", a_out, a_full, tolerance=0)
+        want = torch.empty(m, n, device=device)
+        dist.reduce_scatter_tensor(want, rs_a.float() @ b.float())
+        _relative(f"graphs matmul_reduce_scatter call {call}", rs_out, want)
+    global _checked
+    _checked += 1
+    if executor.graph_calls != 2 * (calls - 2):
+        _failures.append(f"pipelined_graphs: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
+
+
 def _tdist_group(env: dict):
     """A new tdist group created with ``env`` set."""
     return new_group_with_env("tdist", env)
@@ -636,7 +671,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, lowlatency_path, served_by_tdist, fused_ops,
+          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

@@ -161,3 +161,14 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"
     expected = sum(way != "sequential" for _, way in choices)
     assert all(r[1] == expected for r in results), f"second calls made {[r[1] for r in results]} fused calls"
+
+
+def test_runs_of_rows():
+    """The pipelined ops' exposed matmul in pieces: whole rows, as even as can be, covering the
+    range once, fewer pieces when there are fewer rows."""
+    from torch_tdist.bulk import _runs_of_rows
+
+    assert _runs_of_rows(0, 30, 3, 4) == [(0, 9), (9, 18), (18, 27), (27, 30)]
+    assert _runs_of_rows(6, 12, 3, 4) == [(6, 9), (9, 12)]
+    assert _runs_of_rows(8, 40, 8, 4) == [(8, 16), (16, 24), (24, 32), (32, 40)]
+    assert _runs_of_rows(5, 5, 3, 4) == [(5, 5)]

@@ -57,6 +57,13 @@ KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs 
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 
 
+def _runs_of_rows(lo: int, hi: int, row: int, runs: int) -> list[tuple[int, int]]:
+    """Elements ``[lo, hi)``, whole rows of ``row`` elements, in ``runs`` (start, end) runs of
+    as even a number of rows as can be (fewer runs when there are fewer rows)."""
+    per_run = -(-(hi - lo) // row // runs) * row if hi > lo else 1
+    return [(start, min(hi, start + per_run)) for start in range(lo, hi, per_run)] or [(lo, hi)]
+
+
 def vector(dtype: torch.dtype) -> int:
     """Elements in a 16-byte access."""
     return max(16 // dtype.itemsize, 1)
@@ -318,7 +325,7 @@ class BulkPath:
         self.in_flight = False
 
     def all_gather_pulled(self, op: str, call_word: int, src: torch.Tensor, gathered: torch.Tensor,
-                          chunk: int | None = None, consume=None):
+                          chunk: int | None = None, consume=None, row: int = 1, end_pieces: int = 1):
         """``gathered`` ([world, n], rows contiguous) = every rank's flat ``src`` (n elements, one
         round: ``pull_capacity``): ``src`` is copied into this rank's area, then a copy engine
         pulls each peer's area into its row. Ends with a barrier: a peer refills its slot only
@@ -328,7 +335,8 @@ class BulkPath:
         taken on the caller's stream as it lands: ``consume(rank, start, piece)`` is queued for
         this rank's ``src`` first, then for every chunk of every peer (element ``start`` of its
         part, ``piece`` its rows of ``gathered``); torch ops run there while later chunks are in
-        flight.
+        flight. The last chunk's ``consume`` overlaps no pull: that chunk is pulled in
+        ``end_pieces`` pieces of whole rows (``row`` elements each), each taken as it lands.
 
         One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
         several streams at once, or in smaller pieces, were slower (benchmarks/results/
@@ -337,21 +345,23 @@ class BulkPath:
         n, me, dtype = src.numel(), self.rank, src.dtype
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
-        streams, pulls = self.streams, 1 if consume else 0
-        streams.begin(pulls)
+        streams, side = self.streams, 1 if consume else 0
+        streams.begin(side)
         streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
-        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=pulls)
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
+        pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
         if consume:
             consume(me, 0, src)
-        for k in range(n_chunks):
-            lo, hi = k * chunk, min(n, (k + 1) * chunk)
-            for p in self._peers():
-                streams.copy(pulls, gathered[p, lo:hi], self._slots(dtype, p)[lo:hi])
-                if consume:
-                    streams.join_one(pulls)
-                    consume(p, lo, gathered[p, lo:hi])
-        streams.copy(pulls, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
-        streams.join(pulls)
+            if pulls:
+                p, lo, hi = pulls.pop()
+                pulls += [(p, start, end) for start, end in _runs_of_rows(lo, hi, row, end_pieces)]
+        for p, lo, hi in pulls:
+            streams.copy(side, gathered[p, lo:hi], self._slots(dtype, p)[lo:hi])
+            if consume:
+                streams.join_one(side)
+                consume(p, lo, gathered[p, lo:hi])
+        streams.copy(side, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
+        streams.join(side)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
         self._wait_for_peers(op, self._ready_index(1, 0, 0), KMAX, 1, "to finish pulling")
@@ -359,30 +369,35 @@ class BulkPath:
         self.in_flight = False
 
     def reduce_scatter_pipelined(self, op: str, call_word: int, out: torch.Tensor, chunk: int,
-                                 reduce_op: str, produce, staging: torch.Tensor):
+                                 reduce_op: str, produce, staging: torch.Tensor, row: int = 1,
+                                 end_pieces: int = 1):
         """reduce_scatter whose parts torch ops make on the caller's stream: ``out`` (flat, n) =
         OP over ranks of their part for this rank. ``produce(rank, start, dst)`` queues elements
         ``[start, start + dst.numel())`` of this rank's part for ``rank`` into ``dst``: the
         peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
         the next is made, this rank's own part last, then the reduce kernel sums the chunks as
         they land, the peers' parts made in ``staging`` (at least world x n elements). One round
-        (``part_capacity``), at most KMAX chunks."""
-        n, world, dtype = out.numel(), self.world, out.dtype
+        (``part_capacity``), at most KMAX chunks. The first chunk is made while nothing is
+        pushed: it is made and pushed in ``end_pieces`` pieces of whole rows (``row`` elements
+        each), the flag raised after the last."""
+        n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
         self._start_barrier(op, self._signature(call_word, n, n_chunks))
         slots = self._slots(dtype)
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
             for stream, d in enumerate(self._peers(), start=1):
-                part = staging[d * n + lo:d * n + hi]
-                produce(d, lo, part)
-                self.streams.hand_over(stream)
-                self.streams.copy(stream, self._slots(dtype, d)[self.rank * n + lo:self.rank * n + hi], part)
-                self.streams.write(stream, self._flag_address(d, self._ready_index(0, self.rank, k)), 1)
-        own = slots[self.rank * n:(self.rank + 1) * n]
-        produce(self.rank, 0, own)
+                pieces = _runs_of_rows(lo, hi, row, end_pieces) if k == 0 and stream == 1 else [(lo, hi)]
+                for start, end in pieces:
+                    part = staging[d * n + start:d * n + end]
+                    produce(d, start, part)
+                    self.streams.hand_over(stream)
+                    self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
+                self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
+        own = slots[me * n:(me + 1) * n]
+        produce(me, 0, own)
         self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
-                     offsets=(self.rank * n, chunk), push=None)
+                     offsets=(me * n, chunk), push=None)
         self.streams.join(world - 1)
         self.in_flight = False
 

@@ -153,6 +153,21 @@ ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "lowlatency")
 # "auto": tune on GPUs, sequential on the CPU (the interpreter's kernels are slow).
 OVERLAPS = ("auto", "fused", "pipelined", "sequential", "tune")
 PIPELINE_CHUNKS = (2,) if language.INTERPRET else (2, 1, 4)  # chunks per rank's part; the first is "pipelined"'s
+# A pipelined op's matmul that overlaps no transfer (all_gather_matmul: the last chunk's;
+# matmul_reduce_scatter: the first chunk's) goes in END_PIECES pieces of rows where the transfer
+# outlasts the matmul (estimated at an H200's copy-engine and bf16 matmul rates below): there it
+# adds to the op's time. Where the matmul is longer it does not, and smaller matmuls only cost.
+# 4 H200s, M 8192, 4 pieces against 1 (replayed step by step): all_gather_matmul 8192x4096x12288 and 8192x3584x14336
+# 618 -> 578 and 707 -> 654 us, matmul_reduce_scatter 8192x14336x4096 734 -> 679 us (transfer
+# longer); 8192x28672x8192 1546 -> 1608 and 1766 -> 1823 us (matmul longer).
+END_PIECES = 4
+COPY_BYTES_PER_US = 300e3
+MATMUL_FLOP_PER_US = 600e6
+# Replays of a recorded pipelined op (Executor._run_program) run as a CUDA graph from the second
+# time its tensors are at the same addresses; this many graphs are kept per group (the least
+# recently used goes). On one H200 host a 2048-row all_gather_matmul (4 ranks) took 187 us of host
+# time per call replayed step by step, 41 us as a graph (and 622 -> 549 us on the GPU).
+PROGRAM_GRAPHS = 0 if language.INTERPRET else 8
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".
 GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
@@ -240,6 +255,12 @@ class Executor:
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
         self._programs = {}  # pipelined ops: key -> recorded StreamProgram, or False (cannot be)
+        # CUDA graphs of recorded programs by their roles' addresses (_run_program), most recent
+        # last; the addresses they were replayed at once
+        self._program_graphs, self._program_addresses = collections.OrderedDict(), collections.OrderedDict()
+        self._graph_stream = self._graph_pool = None
+        self.graph_calls = 0  # pipelined calls replayed as a CUDA graph
+        self._scratch_buffers = {}  # dtype -> _scratch's memory
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
         self.algorithm = os.environ.get("TDIST_ALGORITHM", "auto").lower()
         if self.algorithm not in ALGORITHMS:
@@ -908,6 +929,11 @@ class Executor:
                 op_, word, flat, rows, tiles["BM"] * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
         return True
 
+    @staticmethod
+    def _end_pieces(moved_bytes: int, flop: int) -> int:
+        """How many pieces the pipelined op's exposed matmul goes in (END_PIECES)."""
+        return END_PIECES if moved_bytes / COPY_BYTES_PER_US > flop / MATMUL_FLOP_PER_US else 1
+
     def all_gather_matmul_pipelined(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                                     a_out: torch.Tensor, chunks: int) -> bool:
         """What ``all_gather_matmul`` makes, by the copy engines and torch.matmul: each peer's
@@ -918,6 +944,8 @@ class Executor:
         rounds = self._pipelined_rounds(op, a, m, k, chunks, pulled=True)
         if rounds is None:
             return False
+        world = self.world_size
+        pieces = self._end_pieces((world - 1) * a.numel() * a.element_size(), 2 * world * a.numel() * b.shape[1])
 
         def calls():
             for row0, rows, chunk in rounds:
@@ -930,7 +958,7 @@ class Executor:
                 # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
                 gathered = a_out.view(self.world_size, m * k)[:, row0 * k:(row0 + rows) * k]
                 self._bulk_call(op, lambda op_, word, _, flat: self._bulk.all_gather_pulled(
-                    op_, word, flat, gathered, chunk, consume), out, a_round)
+                    op_, word, flat, gathered, chunk, consume, row=k, end_pieces=pieces), out, a_round)
 
         self._recorded(op, (op, chunks), [a, b, out, a_out], calls)
         return True
@@ -947,7 +975,9 @@ class Executor:
         rounds = self._pipelined_rounds(op, a, m, n, chunks)
         if rounds is None:
             return False
-        staging = out.new_empty(self.world_size * max(rows for _, rows, _ in rounds) * n)
+        world = self.world_size
+        staging = self._scratch(out, world * max(rows for _, rows, _ in rounds) * n)
+        pieces = self._end_pieces((world - 1) * out.numel() * out.element_size(), 2 * world * out.numel() * a.shape[1])
 
         def calls():
             for row0, rows, chunk in rounds:
@@ -957,10 +987,21 @@ class Executor:
                     self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n))
 
                 self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
-                    op_, word, flat, chunk, reduce_op, produce, staging), out[row0:row0 + rows].view(-1), a)
+                    op_, word, flat, chunk, reduce_op, produce, staging, row=n, end_pieces=pieces),
+                    out[row0:row0 + rows].view(-1), a)
 
         self._recorded(op, (op, chunks, reduce_op), [a, b, out, staging], calls)
         return True
+
+    def _scratch(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``like``'s dtype and device, the same memory from call to call
+        (a group's calls run in one stream order), so that a replayed op finds it where its CUDA
+        graph does (``_run_program``)."""
+        buffer = self._scratch_buffers.get(like.dtype)
+        if buffer is None or buffer.numel() < numel:
+            self._scratch_buffers.pop(like.dtype, None)  # (freed before its larger successor is made)
+            buffer = self._scratch_buffers[like.dtype] = like.new_empty(numel)
+        return buffer[:numel]
 
     def _recorded(self, op: str, key: tuple, roles: list[torch.Tensor], calls):
         """``calls()``: a pipelined op's bulk calls, made in Python. On GPUs the first call of
@@ -988,10 +1029,45 @@ class Executor:
         self._replayable = False
         self.replayed_calls[op] += 1
         try:
-            program.run(roles)
+            self._run_program(program, roles)
         except Exception as err:
             self._stopped = f"{op} failed part-way ({type(err).__name__})"  # flags may be left on peers
             raise
+
+    def _run_program(self, program, roles: list[torch.Tensor]):
+        """One replay of a recorded ``program``: from a CUDA graph of it where ``roles`` are at
+        addresses seen before (one launch instead of tens of driver calls and matmuls, each a
+        few to tens of microseconds of host time), else step by step. A caller capturing its
+        own graph gets the steps."""
+        if not PROGRAM_GRAPHS or torch.cuda.is_current_stream_capturing():
+            program.run(roles)
+            return
+        where = (id(program), *(t.data_ptr() for t in roles))
+        graph = self._program_graphs.get(where)
+        if graph is None and where not in self._program_addresses:
+            self._program_addresses[where] = None
+            while len(self._program_addresses) > 4 * PROGRAM_GRAPHS:
+                self._program_addresses.popitem(last=False)
+            program.run(roles)
+            return
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_stream is None:
+                self._graph_stream = torch.cuda.Stream(self._heap.device)
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.stream(self._graph_stream):
+                # (thread_local: the watchdog thread's CUDA calls do not void this capture)
+                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+                try:
+                    program.run(roles)
+                finally:
+                    graph.capture_end()
+            self._program_graphs[where] = graph
+            while len(self._program_graphs) > PROGRAM_GRAPHS:
+                self._program_graphs.popitem(last=False)
+        self._program_graphs.move_to_end(where)
+        graph.replay()
+        self.graph_calls += 1
 
     def _stream_program(self, steps: list, roles: list[torch.Tensor]):
         """The recorded ``steps`` as a ``_C.StreamProgram``, every address in one of ``roles``

@@ -101,6 +101,9 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 # ---- choosing how to run -------------------------------------------------------------------
 TUNE_RUNS = 5  # calls of a way timed together, after one warm-up, when a shape class is tuned
 TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
+# untimed calls of a way before each of its rounds: the first calls of a pipelined way at new
+# addresses are recorded or captured in a CUDA graph (Executor._run_program), many times slower
+TUNE_WARMUPS = 2
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
 
@@ -146,12 +149,14 @@ def _or_sequential(result, sequential):
 def _fastest(group, device: torch.device, ways: dict) -> str:
     """The way with the least time per call: TUNE_ROUNDS rounds over the ways (so that a slow
     moment of the machine does not count against one way only), each timing TUNE_RUNS calls on
-    every rank, the ranks starting together; a way's time is its median round."""
+    every rank after TUNE_WARMUPS, the ranks starting together; a way's time is its median round."""
     runnable = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
     rounds = {name: [] for name in runnable}
     aligned = torch.zeros(1, device=device)
     for _ in range(TUNE_ROUNDS):
         for name in runnable:
+            for _ in range(TUNE_WARMUPS):
+                ways[name]()
             dist.all_reduce(aligned, group=group)
             _synchronize()
             start = time.perf_counter()
