@@ -5,6 +5,9 @@ clear error, the same on every rank, for each kind of bad input."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import pytest
 
 from tests import jobs_ops as J
@@ -172,3 +175,84 @@ def test_runs_of_rows():
     assert _runs_of_rows(6, 12, 3, 4) == [(6, 9), (9, 12)]
     assert _runs_of_rows(8, 40, 8, 4) == [(8, 16), (16, 24), (24, 32), (32, 40)]
     assert _runs_of_rows(5, 5, 3, 4) == [(5, 5)]
+
+
+def test_program_graph_cache(monkeypatch):
+    """Executor._run_program's policy, with CUDA stood in for: a recorded program runs step by
+    step the first time its tensors are at given addresses, is captured the second time and
+    replayed from its graph afterwards; the least recently used graph goes beyond PROGRAM_GRAPHS;
+    a capture that fails leaves the group replaying step by step."""
+    import torch
+
+    from torch_tdist import collectives as C
+
+    class Graph:
+        fail = capturing = False
+
+        def __init__(self):
+            self.replays = 0
+
+        def capture_begin(self, **kwargs):
+            if Graph.fail:
+                raise RuntimeError("capture unsupported")
+            Graph.capturing = True
+
+        def capture_end(self):
+            Graph.capturing = False
+
+        def replay(self):
+            self.replays += 1
+
+    class Program:
+        def __init__(self):
+            self.steps_runs = self.captures = 0
+
+        def run(self, roles):
+            if Graph.capturing:
+                self.captures += 1
+            else:
+                self.steps_runs += 1
+
+    class Role:
+        def __init__(self, address):
+            self.address = address
+
+        def data_ptr(self):
+            return self.address
+
+    class Heap:
+        device = "cuda"
+
+    monkeypatch.setattr(C, "PROGRAM_GRAPHS", 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    executor = C.Executor.__new__(C.Executor)
+    executor._heap = Heap()
+    executor._program_graphs, executor._program_addresses = collections.OrderedDict(), collections.OrderedDict()
+    executor._graph_stream = executor._graph_pool = None
+    executor._graphs_failed, executor.graph_calls = False, 0
+    program = Program()
+    at = {address: [Role(address), Role(address + 1)] for address in (100, 200, 300)}
+
+    for _ in range(4):
+        executor._run_program(program, at[100])
+    # steps, then captured once and replayed
+    assert (program.steps_runs, program.captures, executor.graph_calls) == (1, 1, 3)
+    for address in (200, 200, 300, 300):
+        executor._run_program(program, at[address])
+    assert (program.steps_runs, program.captures, executor.graph_calls) == (3, 3, 5)
+    assert len(executor._program_graphs) == 2  # the graph at 100 went (least recently used)
+    executor._run_program(program, at[100])
+    assert (program.steps_runs, program.captures, executor.graph_calls) == (3, 4, 6)  # seen: captured again
+
+    Graph.fail = True
+    executor._program_graphs.clear()
+    with pytest.warns(UserWarning, match="step by step"):
+        executor._run_program(program, at[200])
+    for _ in range(3):
+        executor._run_program(program, at[300])
+    assert (program.steps_runs, program.captures, executor.graph_calls) == (7, 4, 6)
+    assert executor._graphs_failed

@@ -53,6 +53,10 @@ CHUNK_BYTES = {"copy_engine": 4096 if language.INTERPRET else 16 << 20,
 NO_LIMIT = 1 << 62
 KERNEL_BLOCK_BYTES = 16384
 KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs wait on flags)
+# A kernel without pushers waits only on flags that copy engines raise, so its grid may pass what
+# the GPU holds at once: on an H200, 264 programs reduced 4 parts of 16 MB in 26.8 us (3.1 TB/s),
+# 132 in 34.9 us (2.4 TB/s); 528 and 1056 smaller ones no faster than 132.
+RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 
@@ -170,7 +174,7 @@ class BulkPath:
     def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple, int]:
         """(grid, the kernel's push arguments and PUSHERS) for ``push`` from ``_push``."""
         if push is None or self.world == 1:
-            return KERNEL_PROGRAMS, (fallback, 0, 0, 0), 0
+            return RECEIVING_PROGRAMS, (fallback, 0, 0, 0), 0
         return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
 
     def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str):

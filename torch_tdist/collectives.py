@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -259,6 +260,7 @@ class Executor:
         # last; the addresses they were replayed at once
         self._program_graphs, self._program_addresses = collections.OrderedDict(), collections.OrderedDict()
         self._graph_stream = self._graph_pool = None
+        self._graphs_failed = False
         self.graph_calls = 0  # pipelined calls replayed as a CUDA graph
         self._scratch_buffers = {}  # dtype -> _scratch's memory
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
@@ -1039,7 +1041,7 @@ class Executor:
         addresses seen before (one launch instead of tens of driver calls and matmuls, each a
         few to tens of microseconds of host time), else step by step. A caller capturing its
         own graph gets the steps."""
-        if not PROGRAM_GRAPHS or torch.cuda.is_current_stream_capturing():
+        if not PROGRAM_GRAPHS or self._graphs_failed or torch.cuda.is_current_stream_capturing():
             program.run(roles)
             return
         where = (id(program), *(t.data_ptr() for t in roles))
@@ -1048,13 +1050,28 @@ class Executor:
             self._program_addresses[where] = None
             while len(self._program_addresses) > 4 * PROGRAM_GRAPHS:
                 self._program_addresses.popitem(last=False)
+        elif graph is None:
+            graph = self._capture(program, roles)
+            if graph is not None:
+                self._program_graphs[where] = graph
+                while len(self._program_graphs) > PROGRAM_GRAPHS:
+                    self._program_graphs.popitem(last=False)
+        if graph is None:
             program.run(roles)
             return
-        if graph is None:
-            graph = torch.cuda.CUDAGraph()
-            if self._graph_stream is None:
-                self._graph_stream = torch.cuda.Stream(self._heap.device)
-                self._graph_pool = torch.cuda.graph_pool_handle()
+        self._program_graphs.move_to_end(where)
+        graph.replay()
+        self.graph_calls += 1
+
+    def _capture(self, program, roles: list[torch.Tensor]):
+        """``program`` on ``roles`` as a CUDA graph (nothing runs yet), or None, with a warning
+        and graphs off for this group, where capturing fails (a driver without the stream memory
+        operations in graphs)."""
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(self._heap.device)
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
             with torch.cuda.stream(self._graph_stream):
                 # (thread_local: the watchdog thread's CUDA calls do not void this capture)
                 graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
@@ -1062,12 +1079,12 @@ class Executor:
                     program.run(roles)
                 finally:
                     graph.capture_end()
-            self._program_graphs[where] = graph
-            while len(self._program_graphs) > PROGRAM_GRAPHS:
-                self._program_graphs.popitem(last=False)
-        self._program_graphs.move_to_end(where)
-        graph.replay()
-        self.graph_calls += 1
+        except RuntimeError as err:
+            self._graphs_failed = True
+            warnings.warn(f"tdist: pipelined ops replay step by step in this group: capturing one in a "
+                          f"CUDA graph failed ({err})")
+            return None
+        return graph
 
     def _stream_program(self, steps: list, roles: list[torch.Tensor]):
         """The recorded ``steps`` as a ``_C.StreamProgram``, every address in one of ``roles``
