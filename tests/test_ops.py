@@ -181,27 +181,23 @@ def test_program_graph_cache(monkeypatch):
     """Executor._run_program's policy, with CUDA stood in for: a recorded program runs step by
     step the first time its tensors are at given addresses, is captured the second time and
     replayed from its graph afterwards; the least recently used graph goes beyond PROGRAM_GRAPHS;
-    a capture that fails leaves the group replaying step by step."""
+    past PROGRAM_GRAPHS captures, another is made only once graph replays number CAPTURE_PAYBACK
+    per capture."""
     import torch
 
     from torch_tdist import collectives as C
 
     class Graph:
-        fail = capturing = False
-
-        def __init__(self):
-            self.replays = 0
+        capturing = False
 
         def capture_begin(self, **kwargs):
-            if Graph.fail:
-                raise RuntimeError("capture unsupported")
             Graph.capturing = True
 
         def capture_end(self):
             Graph.capturing = False
 
         def replay(self):
-            self.replays += 1
+            pass
 
     class Program:
         def __init__(self):
@@ -224,6 +220,7 @@ def test_program_graph_cache(monkeypatch):
         device = "cuda"
 
     monkeypatch.setattr(C, "PROGRAM_GRAPHS", 2)
+    monkeypatch.setattr(C, "CAPTURE_PAYBACK", 2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
@@ -233,26 +230,19 @@ def test_program_graph_cache(monkeypatch):
     executor._heap = Heap()
     executor._program_graphs, executor._program_addresses = collections.OrderedDict(), collections.OrderedDict()
     executor._graph_stream = executor._graph_pool = None
-    executor._graphs_failed, executor.graph_calls = False, 0
+    executor._captures = executor.graph_calls = 0
     program = Program()
     at = {address: [Role(address), Role(address + 1)] for address in (100, 200, 300)}
 
-    for _ in range(4):
-        executor._run_program(program, at[100])
-    # steps, then captured once and replayed
-    assert (program.steps_runs, program.captures, executor.graph_calls) == (1, 1, 3)
-    for address in (200, 200, 300, 300):
-        executor._run_program(program, at[address])
-    assert (program.steps_runs, program.captures, executor.graph_calls) == (3, 3, 5)
-    assert len(executor._program_graphs) == 2  # the graph at 100 went (least recently used)
-    executor._run_program(program, at[100])
-    assert (program.steps_runs, program.captures, executor.graph_calls) == (3, 4, 6)  # seen: captured again
+    def calls(*addresses):
+        for address in addresses:
+            executor._run_program(program, at[address])
+        return program.steps_runs, program.captures, executor.graph_calls
 
-    Graph.fail = True
-    executor._program_graphs.clear()
-    with pytest.warns(UserWarning, match="step by step"):
-        executor._run_program(program, at[200])
-    for _ in range(3):
-        executor._run_program(program, at[300])
-    assert (program.steps_runs, program.captures, executor.graph_calls) == (7, 4, 6)
-    assert executor._graphs_failed
+    assert calls(100, 100, 100, 100) == (1, 1, 3)  # steps, then captured once and replayed
+    assert calls(200, 200, 300) == (3, 2, 4)  # 300 seen once: steps
+    assert calls(300) == (3, 3, 5)  # captures paid for (5 replays >= 2 x 2): captured
+    assert len(executor._program_graphs) == 2  # the graph at 100 went (least recently used)
+    assert calls(100) == (4, 3, 5)  # 3 captures want 6 replays: steps
+    assert calls(200, 100) == (4, 4, 7)  # 6 replays: 100 captured again, 300's graph going
+    assert calls(300, 200, 300) == (5, 5, 9)  # 4 captures want 8 replays: steps, then (after 200's) captured

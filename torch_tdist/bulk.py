@@ -53,17 +53,19 @@ CHUNK_BYTES = {"copy_engine": 4096 if language.INTERPRET else 16 << 20,
 NO_LIMIT = 1 << 62
 KERNEL_BLOCK_BYTES = 16384
 KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs wait on flags)
-# A kernel without pushers waits only on flags that copy engines raise, so its grid may pass what
-# the GPU holds at once: on an H200, 264 programs reduced 4 parts of 16 MB in 26.8 us (3.1 TB/s),
-# 132 in 34.9 us (2.4 TB/s); 528 and 1056 smaller ones no faster than 132.
+# The gather and reduce kernels without pushers wait only on flags that copy engines raise, so
+# their programs need not all be resident at once: on an H200, 264 programs reduced 4 parts of
+# 16 MB (flags already up) in 26.8 us (3.1 TB/s), 132 in 34.9 us (2.4 TB/s); 528 and 1056
+# smaller ones no faster than 132.
 RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 
 
 def _runs_of_rows(lo: int, hi: int, row: int, runs: int) -> list[tuple[int, int]]:
-    """Elements ``[lo, hi)``, whole rows of ``row`` elements, in ``runs`` (start, end) runs of
-    as even a number of rows as can be (fewer runs when there are fewer rows)."""
+    """Elements ``[lo, hi)``, whole rows of ``row`` elements, as (start, end) runs of
+    ceil(rows / ``runs``) rows each, the last one shorter where they do not divide (so at most
+    ``runs`` runs, fewer when the rows are few)."""
     per_run = -(-(hi - lo) // row // runs) * row if hi > lo else 1
     return [(start, min(hi, start + per_run)) for start in range(lo, hi, per_run)] or [(lo, hi)]
 
@@ -171,10 +173,11 @@ class BulkPath:
                 self.streams.write(stream, address, 1)
         return None
 
-    def _pushers(self, push, fallback: torch.Tensor) -> tuple[int, tuple, int]:
-        """(grid, the kernel's push arguments and PUSHERS) for ``push`` from ``_push``."""
+    def _pushers(self, push, fallback: torch.Tensor, alone: int = KERNEL_PROGRAMS) -> tuple[int, tuple, int]:
+        """(grid, the kernel's push arguments and PUSHERS) for ``push`` from ``_push``; ``alone``:
+        the grid without pushers."""
         if push is None or self.world == 1:
-            return RECEIVING_PROGRAMS, (fallback, 0, 0, 0), 0
+            return alone, (fallback, 0, 0, 0), 0
         return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
 
     def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str):
@@ -242,7 +245,7 @@ class BulkPath:
     def _gather(self, op, own, slots, slot_stride, flag_set, out, part_stride, part_len, limit,
                 chunk, n_chunks, offsets, push):
         dtype = out.dtype
-        grid, push_args, pushers = self._pushers(push, own)
+        grid, push_args, pushers = self._pushers(push, own, RECEIVING_PROGRAMS)
         offsets = (*offsets, slot_stride, chunk, push_args[1])
         self._kernel(op, bulk.gather_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], out, part_stride, part_len, limit,
@@ -253,7 +256,7 @@ class BulkPath:
     def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets,
                 push):
         dtype = dst.dtype
-        grid, push_args, pushers = self._pushers(push, own)
+        grid, push_args, pushers = self._pushers(push, own, RECEIVING_PROGRAMS)
         offsets = (*offsets, slot_stride, chunk, push_args[1])
         self._kernel(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk, n_chunks, *push_args,
@@ -339,8 +342,9 @@ class BulkPath:
         taken on the caller's stream as it lands: ``consume(rank, start, piece)`` is queued for
         this rank's ``src`` first, then for every chunk of every peer (element ``start`` of its
         part, ``piece`` its rows of ``gathered``); torch ops run there while later chunks are in
-        flight. The last chunk's ``consume`` overlaps no pull: that chunk is pulled in
-        ``end_pieces`` pieces of whole rows (``row`` elements each), each taken as it lands.
+        flight. The last pull's ``consume`` (the last peer's last chunk) overlaps no pull: that
+        chunk is pulled in ``end_pieces`` pieces of whole rows (``row`` elements each), each
+        taken as it lands.
 
         One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
         several streams at once, or in smaller pieces, were slower (benchmarks/results/
@@ -381,9 +385,9 @@ class BulkPath:
         peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
         the next is made, this rank's own part last, then the reduce kernel sums the chunks as
         they land, the peers' parts made in ``staging`` (at least world x n elements). One round
-        (``part_capacity``), at most KMAX chunks. The first chunk is made while nothing is
-        pushed: it is made and pushed in ``end_pieces`` pieces of whole rows (``row`` elements
-        each), the flag raised after the last."""
+        (``part_capacity``), at most KMAX chunks. The first peer's first chunk is made while
+        nothing is pushed: it is made and pushed in ``end_pieces`` pieces of whole rows (``row``
+        elements each), its flag raised after the last."""
         n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
         self._start_barrier(op, self._signature(call_word, n, n_chunks))

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import warnings
 from datetime import timedelta
 
 import torch
@@ -164,11 +163,15 @@ PIPELINE_CHUNKS = (2,) if language.INTERPRET else (2, 1, 4)  # chunks per rank's
 END_PIECES = 4
 COPY_BYTES_PER_US = 300e3
 MATMUL_FLOP_PER_US = 600e6
-# Replays of a recorded pipelined op (Executor._run_program) run as a CUDA graph from the second
-# time its tensors are at the same addresses; this many graphs are kept per group (the least
-# recently used goes). On one H200 host a 2048-row all_gather_matmul (4 ranks) took 187 us of host
-# time per call replayed step by step, 41 us as a graph (and 622 -> 549 us on the GPU).
-PROGRAM_GRAPHS = 0 if language.INTERPRET else 8
+# A recorded pipelined op (Executor._run_program) is replayed from a CUDA graph once it has been
+# replayed at the same tensor addresses before (from its third call in a loop: the first is
+# recorded). At most PROGRAM_GRAPHS graphs are kept per group, the least recently used going; past
+# that many captures, another is made only while graph replays number CAPTURE_PAYBACK per capture
+# (more address sets in turn than graphs would otherwise capture on every call). On one H200 host
+# a 2048-row all_gather_matmul (4 ranks) took 187 us of host time per call replayed step by step,
+# 41 us as a graph (and 622 -> 549 us on the GPU).
+PROGRAM_GRAPHS = 0 if language.INTERPRET else 64
+CAPTURE_PAYBACK = 8
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".
 GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
@@ -260,7 +263,7 @@ class Executor:
         # last; the addresses they were replayed at once
         self._program_graphs, self._program_addresses = collections.OrderedDict(), collections.OrderedDict()
         self._graph_stream = self._graph_pool = None
-        self._graphs_failed = False
+        self._captures = 0
         self.graph_calls = 0  # pipelined calls replayed as a CUDA graph
         self._scratch_buffers = {}  # dtype -> _scratch's memory
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
@@ -999,9 +1002,11 @@ class Executor:
         """``numel`` elements of ``like``'s dtype and device, the same memory from call to call
         (a group's calls run in one stream order), so that a replayed op finds it where its CUDA
         graph does (``_run_program``)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return like.new_empty(numel)  # (the caller's graph keeps it; a later call may not free it)
         buffer = self._scratch_buffers.get(like.dtype)
         if buffer is None or buffer.numel() < numel:
-            self._scratch_buffers.pop(like.dtype, None)  # (freed before its larger successor is made)
+            buffer = self._scratch_buffers[like.dtype] = None  # (freed before its larger successor is made)
             buffer = self._scratch_buffers[like.dtype] = like.new_empty(numel)
         return buffer[:numel]
 
@@ -1038,10 +1043,10 @@ class Executor:
 
     def _run_program(self, program, roles: list[torch.Tensor]):
         """One replay of a recorded ``program``: from a CUDA graph of it where ``roles`` are at
-        addresses seen before (one launch instead of tens of driver calls and matmuls, each a
-        few to tens of microseconds of host time), else step by step. A caller capturing its
-        own graph gets the steps."""
-        if not PROGRAM_GRAPHS or self._graphs_failed or torch.cuda.is_current_stream_capturing():
+        addresses it was replayed at before (one launch instead of tens of driver calls and
+        matmuls, each a few to tens of microseconds of host time), else step by step. A caller
+        capturing its own graph gets the steps."""
+        if not PROGRAM_GRAPHS or torch.cuda.is_current_stream_capturing():
             program.run(roles)
             return
         where = (id(program), *(t.data_ptr() for t in roles))
@@ -1050,12 +1055,11 @@ class Executor:
             self._program_addresses[where] = None
             while len(self._program_addresses) > 4 * PROGRAM_GRAPHS:
                 self._program_addresses.popitem(last=False)
-        elif graph is None:
-            graph = self._capture(program, roles)
-            if graph is not None:
-                self._program_graphs[where] = graph
-                while len(self._program_graphs) > PROGRAM_GRAPHS:
-                    self._program_graphs.popitem(last=False)
+        elif graph is None and (self._captures < PROGRAM_GRAPHS
+                                or self.graph_calls >= CAPTURE_PAYBACK * self._captures):
+            graph = self._program_graphs[where] = self._capture(program, roles)
+            while len(self._program_graphs) > PROGRAM_GRAPHS:
+                self._program_graphs.popitem(last=False)
         if graph is None:
             program.run(roles)
             return
@@ -1064,26 +1068,19 @@ class Executor:
         self.graph_calls += 1
 
     def _capture(self, program, roles: list[torch.Tensor]):
-        """``program`` on ``roles`` as a CUDA graph (nothing runs yet), or None, with a warning
-        and graphs off for this group, where capturing fails (a driver without the stream memory
-        operations in graphs)."""
+        """``program`` on ``roles`` as a CUDA graph (nothing runs yet)."""
         if self._graph_stream is None:
             self._graph_stream = torch.cuda.Stream(self._heap.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self._graph_stream):
-                # (thread_local: the watchdog thread's CUDA calls do not void this capture)
-                graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
-                try:
-                    program.run(roles)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as err:
-            self._graphs_failed = True
-            warnings.warn(f"tdist: pipelined ops replay step by step in this group: capturing one in a "
-                          f"CUDA graph failed ({err})")
-            return None
+        self._captures += 1
+        with torch.cuda.stream(self._graph_stream):
+            # (thread_local: the watchdog thread's CUDA calls do not void this capture)
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            try:
+                program.run(roles)
+            finally:
+                graph.capture_end()
         return graph
 
     def _stream_program(self, steps: list, roles: list[torch.Tensor]):
@@ -1188,6 +1185,8 @@ class Executor:
 
     def close(self):
         if self._heap is not None:
+            self._program_graphs.clear()
+            self._scratch_buffers.clear()
             self._views.clear()
             self._planned.clear()
             self._tables.clear()

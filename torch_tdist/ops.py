@@ -99,10 +99,11 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 
 
 # ---- choosing how to run -------------------------------------------------------------------
-TUNE_RUNS = 5  # calls of a way timed together, after one warm-up, when a shape class is tuned
+TUNE_RUNS = 5  # calls of a way timed together when a shape class is tuned
 TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
-# untimed calls of a way before each of its rounds: the first calls of a pipelined way at new
-# addresses are recorded or captured in a CUDA graph (Executor._run_program), many times slower
+# untimed calls of a way before each of its timed ones (and one before the first round, which
+# compiles): the first calls of a pipelined way at new addresses are recorded or captured in a
+# CUDA graph (Executor._run_program), many times slower
 TUNE_WARMUPS = 2
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
