@@ -169,7 +169,7 @@ MATMUL_FLOP_PER_US = 600e6
 # that many captures, another is made only while graph replays number CAPTURE_PAYBACK per capture
 # (more address sets in turn than graphs would otherwise capture on every call). On one H200 host
 # a 2048-row all_gather_matmul (4 ranks) took 187 us of host time per call replayed step by step,
-# 41 us as a graph (and 622 -> 549 us on the GPU).
+# 41 us as a graph (and 622 -> 549 us on the GPU; a throwaway probe, not kept).
 PROGRAM_GRAPHS = 0 if language.INTERPRET else 64
 CAPTURE_PAYBACK = 8
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
@@ -1006,7 +1006,7 @@ class Executor:
             return like.new_empty(numel)  # (the caller's graph keeps it; a later call may not free it)
         buffer = self._scratch_buffers.get(like.dtype)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch_buffers[like.dtype] = None  # (freed before its larger successor is made)
+            buffer = self._scratch_buffers[like.dtype] = None  # the old one goes before the new is made
             buffer = self._scratch_buffers[like.dtype] = like.new_empty(numel)
         return buffer[:numel]
 
