@@ -3,10 +3,11 @@ profiler): when each kernel, copy and memset started and how long it ran. Used t
 way of overlapping is slower than it should be (copies that serialise, matmuls waiting on them).
 
     torchrun --nproc-per-node 4 benchmarks/timeline.py [--op ag_gemm|gemm_rs] [--shape MxNxK]
-             [--overlap pipelined|fused|sequential] [--out DIR]
+             [--overlap pipelined|fused|sequential|tune] [--out DIR]
 
-Shapes as in benchmarks/overlap.py; bf16. Prints the events of two calls after three warm-ups and
-writes the Chrome trace to ``DIR/timeline_<op>_<overlap>.json`` (chrome://tracing, Perfetto).
+Shapes as in benchmarks/overlap.py; bf16 (``--overlap tune``: the way tuning picks, printed).
+Prints the events of two calls after three warm-ups and writes the Chrome trace to
+``DIR/timeline_<op>_<overlap>.json`` (chrome://tracing, Perfetto).
 With ``--host N`` it profiles instead where the host's time goes in N calls back to back (rank 0,
 cProfile, by own time), and prints the host time per call.
 """
@@ -30,7 +31,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", default="ag_gemm", choices=("ag_gemm", "gemm_rs"))
     parser.add_argument("--shape", default="8192x4096x12288")
-    parser.add_argument("--overlap", default="pipelined", choices=("pipelined", "fused", "sequential"))
+    parser.add_argument("--overlap", default="pipelined", choices=("pipelined", "fused", "sequential", "tune"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--host", type=int, default=0, help="profile the host in this many calls")
     args = parser.parse_args()
@@ -60,7 +61,8 @@ def main():
             events = [e for e in json.load(f)["traceEvents"]
                       if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         t0 = min(e["ts"] for e in events)
-        print(f"{args.op} {args.shape} {args.overlap}, rank 0: stream, start (us), duration (us), what")
+        chosen = list(torch_tdist.backend.get_executor(group).tuned.values()) if args.overlap == "tune" else ""
+        print(f"{args.op} {args.shape} {args.overlap} {chosen}, rank 0: stream, start (us), duration (us), what")
         for e in sorted(events, key=lambda e: e["ts"]):
             print(f"  {e['args'].get('stream')!s:>4} {e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:80]}")
         print("wrote", path)

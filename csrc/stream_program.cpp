@@ -88,9 +88,10 @@ StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideS
       s = {Zero, t[1].cast<int>(), address(t[2]), {}, t[3].cast<uint64_t>()};
     } else if (kind == "write") {
       s = {Write, t[1].cast<int>(), address(t[2]), {}, t[3].cast<uint64_t>()};
-    } else if (kind == "fork" || kind == "join") {
-      s.kind = kind == "fork" ? Fork : Join;
+    } else if (kind == "after") {
+      s.kind = After;
       s.stream = t[1].cast<int>();
+      s.waited = t[2].cast<int>();
     } else if (kind == "mm") {
       s.kind = Matmul;
       s.out = view(t[1]);
@@ -98,15 +99,18 @@ StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideS
       s.b = view(t[3]);
     } else if (kind == "launch") {
       s.kind = Launch;
+      s.stream = t[1].cast<int>();
       s.launch = static_cast<int>(launches_.size());
-      launches_.push_back(LaunchPlan::fromPython(t[1]));
+      launches_.push_back(LaunchPlan::fromPython(t[2]));
     } else {
       TORCH_CHECK(false, "tdist: a stream program has no step '", kind, "'");
     }
-    TORCH_CHECK(s.stream >= 0 && static_cast<size_t>(s.stream) <= sides_.size(),
-                "tdist: a stream program's step uses stream ", s.stream, " of ", sides_.size() + 1);
-    TORCH_CHECK(s.kind == Fork || s.kind == Join ? s.stream > 0 : true,
-                "tdist: a stream program forks or joins the caller's stream");
+    for (int index : {s.stream, s.waited}) {
+      TORCH_CHECK(index >= 0 && static_cast<size_t>(index) <= sides_.size(),
+                  "tdist: a stream program's step uses stream ", index, " of ", sides_.size() + 1);
+    }
+    TORCH_CHECK(s.kind != After || s.stream != s.waited,
+                "tdist: a stream program orders stream ", s.stream, " after itself");
     steps_.push_back(std::move(s));
   }
 }
@@ -147,7 +151,6 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
                    .native_handle();
   const auto& cu = driver();
   auto stream = [&](int index) { return index == 0 ? main : sides_[index - 1]; };
-  void* mainEvent = events_.back();
   for (const auto& s : steps_) {
     switch (s.kind) {
       case Copy:
@@ -163,13 +166,9 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
         check(cu.writeValue64(stream(s.stream), resolve(s.dst, addresses), s.count, 0),
               "cuStreamWriteValue64");
         break;
-      case Fork:
-        check(cu.eventRecord(mainEvent, main), "cuEventRecord");
-        check(cu.waitEvent(stream(s.stream), mainEvent, 0), "cuStreamWaitEvent");
-        break;
-      case Join:
-        check(cu.eventRecord(events_[s.stream - 1], stream(s.stream)), "cuEventRecord");
-        check(cu.waitEvent(main, events_[s.stream - 1], 0), "cuStreamWaitEvent");
+      case After:
+        check(cu.eventRecord(events_[s.waited], stream(s.waited)), "cuEventRecord");
+        check(cu.waitEvent(stream(s.stream), events_[s.waited], 0), "cuStreamWaitEvent");
         break;
       case Matmul: {
         auto out = resolve(s.out, roles);
@@ -177,7 +176,7 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
         break;
       }
       case Launch:
-        launches_[s.launch].launch(addresses, main);
+        launches_[s.launch].launch(addresses, stream(s.stream));
         break;
     }
   }

@@ -1,11 +1,11 @@
 // A bulk-path call of the pipelined overlap ops (torch_tdist/bulk.py), as
 // Python recorded it the first time: copies, flag writes and zeroing on the
-// caller's stream and side streams, fork and join between them, matmuls and
-// Triton launches. Replayed from C++ for later calls of the same shapes with
-// the call's tensors ("roles": the matmul's operands and results, a staging
-// buffer) in place of the recorded ones; everything else (the heap's slots
-// and flags) is where it was. Host time per call: a few microseconds a step
-// instead of tens in Python.
+// caller's stream and side streams, events ordering one stream after another,
+// matmuls (on the caller's stream) and Triton launches (on any). Replayed from
+// C++ for later calls of the same shapes with the call's tensors ("roles": the
+// matmul's operands and results, a staging buffer) in place of the recorded
+// ones; everything else (the heap's slots and flags) is where it was. Host time
+// per call: a few microseconds a step instead of tens in Python.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +32,7 @@ class StreamProgram {
   void run(const std::vector<at::Tensor>& roles) const;
 
  private:
-  enum Kind : int { Copy, Zero, Write, Fork, Join, Matmul, Launch };
+  enum Kind : int { Copy, Zero, Write, After, Matmul, Launch };
   // An address: roles[role]'s plus `value` bytes, or (role -1) `value` itself.
   struct Address {
     int role = -1;
@@ -53,6 +53,7 @@ class StreamProgram {
     uint64_t count = 0; // bytes to copy, int64s to zero, the value to write
     View out, a, b;
     int launch = -1;
+    int waited = 0; // After: the stream that `stream` waits for
   };
 
   static Address address(const py::handle& item);
@@ -63,7 +64,7 @@ class StreamProgram {
   std::vector<Step> steps_;
   std::vector<LaunchPlan> launches_;
   std::vector<void*> sides_;
-  std::vector<void*> events_; // one per side stream, then the caller's stream's
+  std::vector<void*> events_; // one per stream: the caller's, then the side streams'
 };
 
 } // namespace tdist

@@ -548,6 +548,68 @@ def pipelined_graphs(tg, rank, world, device, gen):
         _failures.append(f"pipelined_graphs: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
 
 
+def pipelined_back_to_back(tg, rank, world, device, gen):
+    """Pipelined ops and bulk collectives of one group queued back to back with no host
+    synchronisation, each rank held up by a different GPU sleep before different calls (the
+    pipelined ops' start barriers wait on a side stream while the main stream computes: a rank
+    ahead of its peers must not touch what they still read). Three bursts on the same tensors,
+    refilled with fresh random data (the later ones replay CUDA graphs); every output against
+    NCCL + torch.matmul."""
+    if NVSHMEM:
+        return
+    group = _tdist_group({"TDIST_OVERLAP": "pipelined", "TDIST_ALGORITHM": "bulk"})
+    executor = torch_tdist.get_executor(group)
+    m, n, k, rounds = 256, 512, 384, 3
+
+    def rand(*shape):
+        return torch.empty(*shape, device=device, dtype=torch.bfloat16)
+    b = rand(k, n)
+    calls = []
+    for _ in range(rounds):
+        calls.append(("ag", rand(m, k), rand(world * m, n), rand(world * m, k)))
+        calls.append(("rs", rand(world * m, k), rand(m, n)))
+        calls.append(("ar", rand(3 << 18), rand(3 << 18)))
+    for burst in range(3):
+        for t in [b] + [x for call in calls for x in call[1:2]]:
+            t.copy_(torch.randn(t.shape, device=device, generator=gen))
+        for call in calls:
+            for t in call[2:]:
+                t.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        for i, (kind, x, *outs) in enumerate(calls):
+            if (i + rank) % world == 0:
+                torch.cuda._sleep(100_000 * (1 + rank))  # tens of microseconds
+            if kind == "ag":
+                ok = executor.all_gather_matmul_pipelined(x, b, outs[0], outs[1], 2)
+            elif kind == "rs":
+                ok = executor.matmul_reduce_scatter_pipelined(x, b, outs[0], "sum", 2)
+            else:
+                outs[0].copy_(x)
+                dist.all_reduce(outs[0], group=group)
+                ok = True
+            if not ok:
+                _failures.append("pipelined_back_to_back: the heap did not take the pipelined ops")
+                return
+        for i, (kind, x, *outs) in enumerate(calls):
+            label = f"back to back burst {burst} call {i} {kind}"
+            if kind == "ag":
+                a_full = torch.empty(world * m, k, device=device)
+                dist.all_gather_into_tensor(a_full, x.float())
+                _relative(label, outs[0], a_full @ b.float())
+                _relative(f"{label} gathered A", outs[1], a_full, tolerance=0)
+            elif kind == "rs":
+                want = torch.empty(m, n, device=device)
+                dist.reduce_scatter_tensor(want, x.float() @ b.float())
+                _relative(label, outs[0], want)
+            else:
+                want = x.float()
+                dist.all_reduce(want)
+                _relative(label, outs[0], want)
+    if executor.graph_calls == 0:
+        _failures.append("pipelined_back_to_back: no call was replayed as a CUDA graph")
+
+
 def _tdist_group(env: dict):
     """A new tdist group created with ``env`` set."""
     return new_group_with_env("tdist", env)
@@ -671,7 +733,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs,
+          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

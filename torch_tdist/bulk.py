@@ -12,17 +12,21 @@ per peer, flags by ``stream_ops``) or by the first programs of the receiving ker
 (``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags are
 up (``triton_kernels/bulk.py``), so reducing or copying out overlaps the transfer:
 
-- start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them;
+- start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them (with
+  SIDE_STREAM_BARRIER, the pipelined overlap ops wait on a side stream, the main stream
+  meanwhile computing the part that no peer touches);
 - reduce_scatter: push input part ``p`` to peer ``p``'s slot [me]; the reduce kernel combines
   each arrived chunk in rank order (this rank's part read from the input) into the output;
 - all_reduce: reduce_scatter's push and reduction into a "reduced" slot, then all_gather's push
   of that slot into a second set of slots, and the gather kernel;
 - the flags a kernel waited on are zeroed after it.
 
-Why it is safe: a peer writes this rank's slots and flags only after the start barrier of the
-same call, which it passes only after this rank's previous call is done (every step is on the
-group's stream before this rank's start writes). Every value written or waited for is 0 or 1,
-nothing is chosen per call on the host, so a CUDA graph of these calls is correct on every
+Why it is safe: a peer writes this rank's slots and flags, or reads its area, only after the
+start barrier of the same call, which it passes only after this rank's previous call is done
+(every step is on the group's stream before this rank's start writes; a call whose area its
+peers read returns only after they read it). Before its own barrier passes, a rank writes only
+its own slot of its area, which no peer reads or writes. Every value written or waited for is 0
+or 1, nothing is chosen per call on the host, so a CUDA graph of these calls is correct on every
 replay. The area is not the one-shot mailboxes: a one-shot call right after a bulk call cannot
 write where a slower peer still reads.
 """
@@ -37,6 +41,13 @@ from .stream_ops import Streams
 from .triton_kernels import bulk
 
 KMAX = 64  # most chunks per slot in a round
+# Whether the pipelined overlap ops' start barrier waits on a side stream while the main stream
+# makes this rank's first piece (BulkPath._start_barrier's ``stream``). Measured with it, 4 H200s
+# (benchmarks/results/overlap_NVIDIA_H200-x4-side-barrier-trial.json): matmul_reduce_scatter
+# 8192x4096x12288 349 -> 324 us, 8192x3584x14336 380 -> 364 us. Off until a GPU run confirms
+# the ordering that keeps the barrier's kernel from waiting for an SM behind the reduce kernel:
+# without it, tuning small shapes hung on every rank.
+SIDE_STREAM_BARRIER = False
 # Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (the
 # receiving kernel's first PUSH_PROGRAMS programs). TDIST_BULK_PUSH chooses; by default the
 # copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB: benchmarks/results/
@@ -126,31 +137,42 @@ class BulkPath:
         return self.world + (flag_set * self.world + sender) * KMAX + k
 
     # ---- steps --------------------------------------------------------------------------
-    def _kernel(self, op: str, kernel, grid, *args, **meta):
-        """Launch ``kernel`` on the main stream (recorded as ``("launch", kernel, compiled, grid,
-        args, meta)`` while the streams record)."""
-        compiled = self._launch(op, kernel, grid, *args, **meta)
-        self.streams.record("launch", kernel, compiled, grid, args, meta)
+    def _kernel(self, op: str, kernel, grid, *args, stream: int = 0, **meta):
+        """Launch ``kernel`` on ``stream`` (0: the main one; recorded as ``("launch", stream,
+        kernel, compiled, grid, args, meta)`` while the streams record)."""
+        with self.streams.on(stream):
+            compiled = self._launch(op, kernel, grid, *args, **meta)
+        self.streams.record("launch", stream, kernel, compiled, grid, args, meta)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
         """``out = a @ b`` on the main stream (recorded as ``("mm", out, a, b)``)."""
         torch.mm(a, b, out=out)
         self.streams.record("mm", out, a, b)
 
-    def _start_barrier(self, op: str, signature: int, sides: int | None = None):
+    def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0,
+                       publish: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Every peer has finished its previous call and makes this one (the same
-        ``signature``: op, dtype, count, chunks); on the main stream, then the call's side
+        ``signature``: op, dtype, count, chunks), on ``stream``; then the call's other side
         streams are ordered after it. From here until the call returns, the group's flags are
-        in flight (``in_flight``)."""
+        in flight (``in_flight``). ``stream`` 0, the main stream, waits there; a side stream
+        ``stream`` waits after the main stream's earlier work while the main stream goes on
+        (with what touches no peer: its own part of a pipelined op), and the caller orders the
+        main stream after it before any kernel that waits for peers (which could otherwise
+        hold every SM while this barrier's kernel waits for one). ``publish``: (dst, src),
+        this rank's data that peers will read, copied before they are told."""
         self.in_flight = True
         streams = self.streams
         sides = self.world - 1 if sides is None else sides
-        streams.begin(sides)
+        streams.begin(max(sides, stream))
+        if stream:
+            streams.after(stream, 0)
+        if publish is not None:
+            streams.copy(stream, *publish)
         for p in self._peers():
-            streams.write(0, self._flag_address(p, self.rank), signature)
-        self._wait_for_peers(op, 0, 1, signature, "to start the same call")
-        streams.zero(0, self._flags[:self.world])
-        streams.fork(sides)
+            streams.write(stream, self._flag_address(p, self.rank), signature)
+        self._wait_for_peers(op, 0, 1, signature, "to start the same call", stream)
+        streams.zero(stream, self._flags[:self.world])
+        streams.fork(sides, stream)
 
     def _push(self, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int, limit: int,
               dst_offset: int, chunk: int, n_chunks: int, pusher: str | None = None):
@@ -181,15 +203,15 @@ class BulkPath:
             return alone, (fallback, 0, 0, 0), 0
         return max(KERNEL_PROGRAMS, PUSH_PROGRAMS + 1), push, PUSH_PROGRAMS
 
-    def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str):
-        """Hold the caller's stream until every peer ``p``'s flag ``first + p * stride`` (in this
-        rank's heap) is ``value``. GPUs: a one-program kernel, which gives up once the group is
+    def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str, stream: int = 0):
+        """Hold ``stream`` (0: the caller's) until every peer ``p``'s flag ``first + p * stride``
+        (in this rank's heap) is ``value``. GPUs: a one-program kernel, which gives up once the group is
         aborted (the watchdog raises). CPU: this thread polls, gives up after the group's timeout,
         and raises a ValueError at once if a peer wrote another value (it made a different call:
         another collective, dtype or element count)."""
         if self.device.type == "cuda":
             self._kernel(op, bulk.wait_peers_kernel, (1,), self.heap.ctx, self._flags[first:], stride, value,
-                         ME=self.rank, WORLD=self.world)
+                         stream=stream, ME=self.rank, WORLD=self.world)
             return
         for p in self._peers():
             slot = ctypes.c_int64.from_address(self._flag_address(self.rank, first + p * stride))
@@ -355,9 +377,10 @@ class BulkPath:
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
-        streams.begin(side)
-        streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
-        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
+        # (on the side stream, src is published and the barrier waited for while this rank's
+        # own part is taken)
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side,
+                            stream=side if SIDE_STREAM_BARRIER else 0, publish=(self._slots(dtype)[:n], src))
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
         if consume:
             consume(me, 0, src)
@@ -367,7 +390,7 @@ class BulkPath:
         for p, lo, hi in pulls:
             streams.copy(side, gathered[p, lo:hi], self._slots(dtype, p)[lo:hi])
             if consume:
-                streams.join_one(side)
+                streams.after(0, side)
                 consume(p, lo, gathered[p, lo:hi])
         streams.copy(side, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
         streams.join(side)
@@ -391,7 +414,9 @@ class BulkPath:
         elements each), its flag raised after the last."""
         n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
-        self._start_barrier(op, self._signature(call_word, n, n_chunks))
+        # (on the first peer's push stream, while the main stream makes the first piece)
+        barrier_stream = min(1, world - 1) if SIDE_STREAM_BARRIER else 0
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_stream)
         slots = self._slots(dtype)
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
@@ -400,7 +425,11 @@ class BulkPath:
                 for start, end in pieces:
                     part = staging[d * n + start:d * n + end]
                     produce(d, start, part)
-                    self.streams.hand_over(stream)
+                    if barrier_stream and k == 0 and stream == 1 and start == lo:
+                        # the barrier's kernel must not wait for an SM behind the reduce kernel,
+                        # whose programs wait for the peers that wait for this barrier
+                        self.streams.after(0, 1)
+                    self.streams.after(stream, 0)
                     self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
                 self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
         own = slots[me * n:(me + 1) * n]

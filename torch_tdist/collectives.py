@@ -1128,7 +1128,7 @@ class Executor:
                 if where is None:
                     return None
                 program.append((kind, stream, where, value))
-            elif kind in ("fork", "join"):
+            elif kind == "after":
                 program.append((kind, *step))
             elif kind == "mm":
                 views = [view(t) for t in step]
@@ -1136,7 +1136,7 @@ class Executor:
                     return None
                 program.append((kind, *views))
             else:  # launch
-                kernel, compiled, grid, args, meta = step
+                stream, kernel, compiled, grid, args, meta = step
 
                 def bind(name, value):
                     found = locate(value.data_ptr())
@@ -1147,7 +1147,7 @@ class Executor:
                 launch = self._launch_tuple(kernel, compiled, grid, args, meta, bind)
                 if launch is None:
                     return None
-                program.append((kind, launch))
+                program.append((kind, stream, launch))
         return _C.StreamProgram(program, self._bulk.streams.side_handles)
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):

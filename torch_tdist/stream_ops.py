@@ -11,10 +11,11 @@ peer dies, so the bulk path waits with a kernel (``BulkPath._wait_for_peers``).
 While ``recording`` is a list, every step is also appended to it for C++ to replay
 (``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src)``,
 ``("zero", stream, tensor)``, ``("write", stream, address, value)``,
-``("fork", side)`` (the side stream after the main one), ``("join", side)`` (the reverse); the
+``("after", waiter, waited)`` (stream ``waiter`` after what is queued on ``waited``); the
 bulk path adds its matmuls and launches (``BulkPath.matmul``, ``BulkPath._kernel``).
 """
 
+import contextlib
 import ctypes
 
 import torch
@@ -58,37 +59,34 @@ class Streams:
         if self.recording is not None:
             self.recording.append(step)
 
-    def fork(self, sides: int):
-        """Order the first ``sides`` side streams after everything queued on the main stream."""
-        self._after_main(range(1, sides + 1))
+    def on(self, stream: int):
+        """A context in which torch ops and kernel launches go to ``stream``."""
+        if self.on_cpu or stream == 0:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._side[stream - 1][0])
 
-    def hand_over(self, stream: int):
-        """Order side stream ``stream`` after everything queued on the main stream so far."""
-        self._after_main((stream,))
-
-    def _after_main(self, sides):
+    def after(self, waiter: int, waited: int):
+        """Order stream ``waiter`` after everything queued on stream ``waited`` so far (0: the
+        main stream, i > 0: side stream i)."""
         if self.on_cpu:
             return
+        self.record("after", waiter, waited)
         cu = _driver()
-        _check(cu.cuEventRecord(self._main_event, self._main), "cuEventRecord")
-        for stream in sides:
-            self.record("fork", stream)
-            _check(cu.cuStreamWaitEvent(self._side[stream - 1][1], self._main_event, 0), "cuStreamWaitEvent")
+        event = self._main_event if waited == 0 else self._side[waited - 1][2]
+        _check(cu.cuEventRecord(event, self._handle(waited)), "cuEventRecord")
+        _check(cu.cuStreamWaitEvent(self._handle(waiter), event, 0), "cuStreamWaitEvent")
 
-    def join_one(self, stream: int):
-        """Order the main stream after everything queued on side stream ``stream`` so far."""
-        if self.on_cpu:
-            return
-        self.record("join", stream)
-        cu = _driver()
-        _, handle, event = self._side[stream - 1]
-        _check(cu.cuEventRecord(event, handle), "cuEventRecord")
-        _check(cu.cuStreamWaitEvent(self._main, event, 0), "cuStreamWaitEvent")
+    def fork(self, sides: int, waited: int = 0):
+        """Order the first ``sides`` side streams (but ``waited``) after everything queued on
+        stream ``waited``."""
+        for stream in range(1, sides + 1):
+            if stream != waited:
+                self.after(stream, waited)
 
     def join(self, sides: int):
         """Order the main stream after everything queued on the first ``sides`` side streams."""
         for stream in range(1, sides + 1):
-            self.join_one(stream)
+            self.after(0, stream)
 
     def _handle(self, stream: int):
         return self._main if stream == 0 else self._side[stream - 1][1]
