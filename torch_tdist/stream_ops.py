@@ -1,6 +1,6 @@
 """What the bulk path queues on streams without a kernel: an int64 written at a heap address (this
-rank's heap or a peer's) once the stream's earlier work is done, copies, zeroing, and fork/join
-between streams.
+rank's heap or a peer's) once the stream's earlier work is done, copies, zeroing, and one
+stream ordered after another.
 
 On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory barrier,
 ``cuMemcpyAsync``, events), a few microseconds of host time each, and CUDA graphs capture them.
