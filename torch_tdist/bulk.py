@@ -377,8 +377,8 @@ class BulkPath:
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
-        # (on the side stream, src is published and the barrier waited for while this rank's
-        # own part is taken)
+        # (with SIDE_STREAM_BARRIER, src is published and the barrier waited for on the side
+        # stream while this rank's own part is taken)
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side,
                             stream=side if SIDE_STREAM_BARRIER else 0, publish=(self._slots(dtype)[:n], src))
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
@@ -414,9 +414,12 @@ class BulkPath:
         elements each), its flag raised after the last."""
         n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
-        # (on the first peer's push stream, while the main stream makes the first piece)
-        barrier_stream = min(1, world - 1) if SIDE_STREAM_BARRIER else 0
-        self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_stream)
+        # (with SIDE_STREAM_BARRIER on the first peer's push stream, while the main stream makes
+        # the first piece; then the main stream waits for it before anything else: the barrier's
+        # kernel must not wait for an SM behind the reduce kernel, whose programs wait for the
+        # peers that wait for this barrier)
+        barrier_pending = min(1, world - 1) if SIDE_STREAM_BARRIER else 0
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_pending)
         slots = self._slots(dtype)
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
@@ -425,10 +428,9 @@ class BulkPath:
                 for start, end in pieces:
                     part = staging[d * n + start:d * n + end]
                     produce(d, start, part)
-                    if barrier_stream and k == 0 and stream == 1 and start == lo:
-                        # the barrier's kernel must not wait for an SM behind the reduce kernel,
-                        # whose programs wait for the peers that wait for this barrier
-                        self.streams.after(0, 1)
+                    if barrier_pending:
+                        self.streams.after(0, barrier_pending)
+                        barrier_pending = 0
                     self.streams.after(stream, 0)
                     self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
                 self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
