@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import slowest, start_job, time_loop_us, write_result  # noqa: E402
+from timing import in_turn, slowest, start_job, time_loop_us, write_result  # noqa: E402
 from torch_tdist.heap import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
@@ -96,13 +96,8 @@ def _time(op, group, inp, out, warmup, iters):
 
 
 def _in_turn(timers: dict, rounds: int) -> dict:
-    """name -> the median over ``rounds`` rounds of ``timers[name]()`` (microseconds), every
-    timer in turn in each round: a slow moment of the host then hits every group, not one."""
-    times = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            times[name].append(timer())
-    return {name: statistics.median(t) for name, t in times.items()}
+    """name -> the median over ``rounds`` rounds of ``timers[name]()`` (microseconds; ``in_turn``)."""
+    return {name: statistics.median(t) for name, t in in_turn(timers, rounds).items()}
 
 
 def _time_loops(op, groups: dict, inp, out, iters, rounds):

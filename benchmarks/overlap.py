@@ -9,20 +9,23 @@ each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune;
 the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
-timed with CUDA events around ``--iters`` calls back to back, the median of 5 loops after
-``--warmup``, the slowest rank's; ``<name>_host_us`` is the host time per call in
-the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
+timed with CUDA events around ``--iters`` calls back to back (the slowest rank's), after
+``--warmup`` calls; ``--rounds`` rounds time every variant in turn (one loop each), so that a
+slow moment of the machine hits all of them; ``<name>_us`` is the median round,
+``<name>_rounds_us`` every round's (their spread is the noise), ``<name>_host_us`` the host time
+per call in the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
 ``overlap_<machine>.json``; ``python benchmarks/plot.py <json>`` draws the speedups.
 """
 
 import argparse
 import os
+import statistics
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import start_job, time_loop, write_result  # noqa: E402
+from timing import in_turn, start_job, time_loop, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -81,6 +84,7 @@ def main():
     parser.add_argument("--ops", default="ag_gemm,gemm_rs")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -117,15 +121,19 @@ def main():
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
                    "relative_error": round(error, 5), "relative_error_by_shard": by_shard,
                    "pipelined_relative_error": round(_relative_error(pipelined_out, want), 5)}
+            timers = {}
             for name, fn in calls.items():
                 try:
                     for _ in range(args.warmup):
                         fn()
-                    gpu_us, host_us = time_loop(fn, args.iters, cpu_group)
-                    row[f"{name}_us"], row[f"{name}_host_us"] = round(gpu_us, 1), round(host_us, 1)
+                    timers[name] = lambda fn=fn: time_loop(fn, args.iters, cpu_group, reps=1)
                 except Exception as err:  # noqa: BLE001 - symm_mem may be missing on this build
                     row[f"{name}_us"] = None
                     row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:200]
+            for name, loops in in_turn(timers, args.rounds).items():
+                row[f"{name}_us"] = round(statistics.median(gpu for gpu, _ in loops), 1)
+                row[f"{name}_host_us"] = round(statistics.median(host for _, host in loops), 1)
+                row[f"{name}_rounds_us"] = [round(gpu, 1) for gpu, _ in loops]
             rows.append(row)
             if rank == 0:
                 ratio = row["sequential_us"] / row["tdist_us"]
@@ -141,8 +149,8 @@ def main():
     if rank == 0:
         write_result(args.out, "overlap", world,
                      f"bf16, slowest rank, tdist's ways chosen by TDIST_OVERLAP=tune; "
-                     f"{args.iters} calls back to back per timed loop (CUDA events), "
-                     f"median of 5 loops after {args.warmup} warm-ups; relative_error (by_shard: per rank's rows): "
+                     f"{args.iters} calls back to back per timed loop (CUDA events), {args.warmup} warm-ups, "
+                     f"median of {args.rounds} rounds, each timing every variant in turn; relative_error (by_shard: per rank's rows): "
                      f"tdist's fused kernels, pipelined_relative_error: the pipelined way, against the sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
     dist.destroy_process_group()
 

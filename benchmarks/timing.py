@@ -60,6 +60,17 @@ def time_loop(fn, iters: int, cpu_group, reps: int = 5, barrier_group=None) -> t
             slowest(statistics.median(host_per_call), cpu_group))
 
 
+def in_turn(timers: dict, rounds: int) -> dict:
+    """name -> the list of ``timers[name]()``'s results, one per round, every timer in turn in
+    each round: a slow moment of the machine (host, clocks, a neighbour) then hits every timer,
+    not one, and the ratios between them hold."""
+    results = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            results[name].append(timer())
+    return results
+
+
 def machine(world: int) -> str:
     return os.environ.get("TDIST_MACHINE") or f"{torch.cuda.get_device_name()}-x{world}".replace(" ", "_")
 

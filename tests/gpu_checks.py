@@ -551,8 +551,8 @@ def pipelined_graphs(tg, rank, world, device, gen):
 def pipelined_back_to_back(tg, rank, world, device, gen):
     """Pipelined ops and bulk collectives of one group queued back to back with no host
     synchronisation, each rank held up by a different GPU sleep before different calls (a rank
-    ahead of its peers must not touch what they still read; with bulk.SIDE_STREAM_BARRIER the
-    pipelined ops' start barriers wait on a side stream while the main stream computes). Three
+    ahead of its peers must not touch what they still read; matmul_reduce_scatter's start
+    barrier waits on a side stream while the main stream computes). Three
     bursts on the same tensors, refilled with fresh random data (the later ones replay CUDA
     graphs); every output against NCCL + torch.matmul."""
     if NVSHMEM:

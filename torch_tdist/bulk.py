@@ -12,9 +12,9 @@ per peer, flags by ``stream_ops``) or by the first programs of the receiving ker
 (``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags are
 up (``triton_kernels/bulk.py``), so reducing or copying out overlaps the transfer:
 
-- start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them (with
-  SIDE_STREAM_BARRIER, the pipelined overlap ops wait on a side stream, the main stream
-  meanwhile computing the part that no peer touches);
+- start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them (the
+  pipelined matmul_reduce_scatter waits on a side stream, the main stream meanwhile computing
+  the first peer's first piece, which no peer touches yet);
 - reduce_scatter: push input part ``p`` to peer ``p``'s slot [me]; the reduce kernel combines
   each arrived chunk in rank order (this rank's part read from the input) into the output;
 - all_reduce: reduce_scatter's push and reduction into a "reduced" slot, then all_gather's push
@@ -41,13 +41,6 @@ from .stream_ops import Streams
 from .triton_kernels import bulk
 
 KMAX = 64  # most chunks per slot in a round
-# Whether the pipelined overlap ops' start barrier waits on a side stream while the main stream
-# makes this rank's first piece (BulkPath._start_barrier's ``stream``). Measured with it, 4 H200s
-# (benchmarks/results/overlap_NVIDIA_H200-x4-side-barrier-trial.json): matmul_reduce_scatter
-# 8192x4096x12288 349 -> 324 us, 8192x3584x14336 380 -> 364 us. Off until a GPU run confirms
-# the ordering that keeps the barrier's kernel from waiting for an SM behind the reduce kernel:
-# without it, tuning small shapes hung on every rank.
-SIDE_STREAM_BARRIER = False
 # Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (the
 # receiving kernel's first PUSH_PROGRAMS programs). TDIST_BULK_PUSH chooses; by default the
 # copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB: benchmarks/results/
@@ -377,10 +370,11 @@ class BulkPath:
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
-        # (with SIDE_STREAM_BARRIER, src is published and the barrier waited for on the side
-        # stream while this rank's own part is taken)
+        # (on the main stream: on a side stream, beside this rank's own part, the publishing copy
+        # shares memory bandwidth with the matmul and the pulls start later; on 4 H200s
+        # 8192x4608x36864 took 1803 us instead of 1556, and only matmul-bound shapes gained)
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side,
-                            stream=side if SIDE_STREAM_BARRIER else 0, publish=(self._slots(dtype)[:n], src))
+                            publish=(self._slots(dtype)[:n], src))
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
         if consume:
             consume(me, 0, src)
@@ -414,11 +408,12 @@ class BulkPath:
         elements each), its flag raised after the last."""
         n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
-        # (with SIDE_STREAM_BARRIER on the first peer's push stream, while the main stream makes
-        # the first piece; then the main stream waits for it before anything else: the barrier's
-        # kernel must not wait for an SM behind the reduce kernel, whose programs wait for the
-        # peers that wait for this barrier)
-        barrier_pending = min(1, world - 1) if SIDE_STREAM_BARRIER else 0
+        # The barrier waits on the first peer's push stream while the main stream makes the first
+        # piece (on 4 H200s 8192x3584x14336 373 -> 359 us, 8192x8192x28672 1581 -> 1538); then
+        # the main stream waits for it before anything else: the barrier's kernel must not wait
+        # for an SM behind the reduce kernel, whose programs wait for the peers that wait for this
+        # barrier (without that wait, tuning small shapes hung on every rank).
+        barrier_pending = min(1, world - 1)
         self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_pending)
         slots = self._slots(dtype)
         for k in range(n_chunks):
