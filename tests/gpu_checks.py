@@ -610,6 +610,64 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
         _failures.append("pipelined_back_to_back: no call was replayed as a CUDA graph")
 
 
+def pipelined_in_user_graph(tg, rank, world, device, gen):
+    """torch_tdist.ops inside the user's own CUDA graph (how inference engines and
+    torch.compile's reduce-overhead mode run them), pipelined, fused and tuned (the way tuning
+    picked on the warm-up calls): all_gather_matmul, then matmul_reduce_scatter of its output,
+    then a bulk all_reduce, captured once after eager warm-up calls on a side stream, replayed
+    with the static inputs refilled with fresh random data and the outputs poisoned; each
+    replay's outputs against NCCL + torch.matmul."""
+    if NVSHMEM:
+        return
+    for policy in ("pipelined", "fused", "tune"):
+        _ops_in_user_graph(policy, _tdist_group({"TDIST_OVERLAP": policy, "TDIST_ALGORITHM": "bulk"}),
+                           world, device, gen)
+
+
+def _ops_in_user_graph(policy, group, world, device, gen):
+    executor = torch_tdist.get_executor(group)
+    m, n, k, replays = 256, 512, 384, 4
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, generator=gen, dtype=torch.bfloat16)
+    a, b_up, b_down, x = rand(m, k), rand(k, n), rand(n, k), rand(3 << 18)
+
+    def step():
+        up = torch_tdist.ops.all_gather_matmul(a, b_up, group=group)
+        down = torch_tdist.ops.matmul_reduce_scatter(up, b_down, group=group)
+        summed = x.clone()
+        dist.all_reduce(summed, group=group)
+        return up, down, summed
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(warm)
+    own_graph_calls = executor.graph_calls
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for replay in range(replays):
+        for t in (a, b_up, b_down, x):
+            t.copy_(torch.randn(t.shape, device=device, generator=gen))
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        label = f"user graph {policy} replay {replay}"
+        a_full = torch.empty(world * m, k, device=device)
+        dist.all_gather_into_tensor(a_full, a.float())
+        _relative(f"{label} all_gather_matmul", outs[0], a_full @ b_up.float())
+        down = torch.empty(m, k, device=device)
+        dist.reduce_scatter_tensor(down, outs[0].float() @ b_down.float())
+        _relative(f"{label} matmul_reduce_scatter", outs[1], down)
+        summed = x.float()
+        dist.all_reduce(summed)
+        _relative(f"{label} all_reduce", outs[2], summed)
+    if executor.graph_calls != own_graph_calls:
+        _failures.append(f"{policy} in a user graph: a call inside the capture replayed the executor's own graph")
+
+
 def _tdist_group(env: dict):
     """A new tdist group created with ``env`` set."""
     return new_group_with_env("tdist", env)
@@ -734,6 +792,7 @@ NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
           streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
+          pipelined_in_user_graph,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 
