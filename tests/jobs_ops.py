@@ -151,18 +151,19 @@ def bad_input(rank, ws, case):
 
 
 def tuned_choices(rank, ws, seed):
-    """Two calls of each op on a TDIST_OVERLAP=tune group, each checked against references;
-    returns what the group chose per shape class, and how many overlapped calls the second
-    calls made."""
+    """Two calls of each op on a TDIST_OVERLAP=tune group, each checked against references
+    (all_gather_matmul with two B widths, the same on every rank: q/k/v's and an MLP's); returns
+    what the group chose per shape class, and how many overlapped calls the second calls made."""
     chk = Checker(rank, "tuned ops")
     executor = torch_tdist.get_executor()
     m, k, n = 20, 24, 18
     a_full = _operand([ws * m, k], torch.float32, seed, 1)
-    b = _operand([k, n], torch.float32, seed, 2 + rank)
+    bs = [_operand([k, width], torch.float32, seed, 2 + rank) for width in (n, 7)]
     for _ in range(2):
         before = sum(executor.fused_calls.values())
-        _close(chk, torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b), a_full.double() @ b.double(),
-               "all_gather_matmul")
+        for b in bs:
+            _close(chk, torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b),
+                   a_full.double() @ b.double(), f"all_gather_matmul n={b.shape[1]}")
         parts = {r: _operand([ws * m, k], torch.float32, seed, 10 + r) for r in range(ws)}
         weights = {r: _operand([k, n], torch.float32, seed, 20 + r) for r in range(ws)}
         total = sum(parts[r].double() @ weights[r].double() for r in range(ws))
@@ -175,11 +176,13 @@ def tuned_choices(rank, ws, seed):
 
 def uneven_columns(rank, ws, seed):
     """Ranks with different weight widths (rank 0's is 0 columns wide), twice each: the same
-    gathered A, each rank's own product; on a tuned group no rank tunes alone."""
+    gathered A, each rank's own product; on a tuned group no rank tunes alone (the second call:
+    a width rank 0 had, the others' new). Returns the shape classes the group found uneven and
+    the tuned keys of this one."""
     chk = Checker(rank, "uneven columns")
     m, k = 9, 12
     a_full = _operand([ws * m, k], torch.float32, seed, 30)
-    for n in ([0, 5, 7, 3][rank % 4], 6 + rank):
+    for n in ([0, 5, 7, 3][rank % 4], [0, 6, 8, 4][rank % 4]):
         b = _operand([k, n], torch.float32, seed, 40 + rank) if n else torch.empty(k, 0)
         out = torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank].clone(), b)
         if n:
@@ -187,6 +190,9 @@ def uneven_columns(rank, ws, seed):
         else:
             chk.true(out.shape == (ws * m, 0), f"n={n}", f"shape {tuple(out.shape)}")
     chk.done()
+    executor = torch_tdist.get_executor()
+    return ([str(c) for c in executor.uneven_classes],
+            sorted(str(key) for key in executor.tuned if key[:4] == ("all_gather_matmul", torch.float32, 16, k)))
 
 
 def opchecks(rank, ws):

@@ -149,17 +149,20 @@ def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed)
 def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     """TDIST_OVERLAP=tune: a shape class's first call times the sequential path, the pipelined
     way and the fused kernels on every rank; all ranks keep the same choice, and the second call
-    uses it without timing again (one call per op: at most one overlapped call each); every
-    call's result is right."""
+    uses it without timing again (at most one overlapped call per call); every call's result is
+    right. all_gather_matmul's B widths are tuned apart, unless they differ between ranks."""
     pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, tune)",
                     env={"TDIST_OVERLAP": "tune"})
     try:
         results = pool.run(J.tuned_choices, seed, timeout=240)
-        pool.run(J.uneven_columns, seed, timeout=120)  # a weight width only one rank has: no hang
+        uneven = pool.run(J.uneven_columns, seed, timeout=120)  # a weight width only one rank has: no hang
     finally:
         pool.shutdown()
     choices = results[0][0]
-    assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'", "('matmul_reduce_scatter'"], choices
+    assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'"] * 2 + ["('matmul_reduce_scatter'"], choices
+    assert [key.split(", ")[-1] for key, _ in choices[:2]] == ["18)", "7)"], choices
+    uneven_class = "('all_gather_matmul', torch.float32, 16, 12)"  # tuned once, with no width
+    assert all(u == ([uneven_class], [uneven_class]) for u in uneven), uneven
     assert all(way in ("sequential", "pipelined 2", "fused 0") for _, way in choices), choices
     assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"
     expected = sum(way != "sequential" for _, way in choices)

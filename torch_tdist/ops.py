@@ -121,9 +121,14 @@ def _ways() -> dict:
             **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
 
 
-def _run(group, key, sequential, overlapped):
+def _run(group, key, sequential, overlapped, width=None):
     """The op's result, computed the way the group's policy says (module docstring). ``key``:
-    the shape class (the same on every rank).
+    the shape class (the same on every rank). ``width``: a size that may differ between ranks
+    (all_gather_matmul's B columns), tuned apart (q/k/v and an MLP's up projection share rows and
+    K, not the best way) unless the first tuning of ``key`` found it differing between ranks
+    (unevenly sharded columns): then ``key`` is tuned once for every width, so that no rank
+    tunes alone. (A rank would still tune alone if one width of a class were even and a later
+    one uneven with one rank's width equal to the even one: not met in tensor parallelism.)
     ``overlapped(way)``: the op overlapped one of ``_ways()``'s ways, None where it cannot run;
     ``overlapped`` None: it cannot for this call."""
     executor = get_executor(group)
@@ -135,11 +140,18 @@ def _run(group, key, sequential, overlapped):
     if policy in ("pipelined", "fused"):  # the kind's first way
         return _or_sequential(overlapped(next(w for w in _ways().values() if w[0] == policy)), sequential)
     ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in _ways().items()}}
+    shape_class = key
+    if width is not None and shape_class not in executor.uneven_classes:
+        key = (*shape_class, width)
     choice = executor.tuned.get(key)
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
-        choice = executor.tuned[key] = _fastest(group, executor.heap.device, ways)
+        choice, widths_differ = _fastest(group, executor.heap.device, ways, width or 0)
+        if widths_differ:
+            executor.uneven_classes.add(shape_class)
+            key = shape_class
+        executor.tuned[key] = choice
     return _or_sequential(ways[choice](), sequential)
 
 
@@ -147,10 +159,11 @@ def _or_sequential(result, sequential):
     return sequential() if result is None else result
 
 
-def _fastest(group, device: torch.device, ways: dict) -> str:
-    """The way with the least time per call: TUNE_ROUNDS rounds over the ways (so that a slow
-    moment of the machine does not count against one way only), each timing TUNE_RUNS calls on
-    every rank after TUNE_WARMUPS, the ranks starting together; a way's time is its median round."""
+def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, bool]:
+    """(the way with the least time per call, whether ``width`` differs between ranks):
+    TUNE_ROUNDS rounds over the ways (so that a slow moment of the machine does not count
+    against one way only), each timing TUNE_RUNS calls on every rank after TUNE_WARMUPS, the
+    ranks starting together; a way's time is its median round."""
     runnable = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
     rounds = {name: [] for name in runnable}
     aligned = torch.zeros(1, device=device)
@@ -165,10 +178,11 @@ def _fastest(group, device: torch.device, ways: dict) -> str:
                 ways[name]()
             _synchronize()
             rounds[name].append((time.perf_counter() - start) / TUNE_RUNS)
-    slowest = torch.tensor([statistics.median(rounds[n]) if n in rounds else math.inf for n in ways],
-                           dtype=torch.float64, device=device)
+    slowest = torch.tensor([statistics.median(rounds[n]) if n in rounds else math.inf for n in ways]
+                           + [width, -width], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return _choose(list(ways), slowest.cpu())
+    slowest = slowest.cpu()
+    return _choose(list(ways), slowest[:len(ways)]), bool(slowest[-2] != -slowest[-1])
 
 
 def _choose(names: list, slowest) -> str:
@@ -241,7 +255,8 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
         return a_full, [torch.matmul(a_full, b) for b in bs]
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
-    return _run(group, key, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim))
+    return _run(group, key, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim),
+                width=sum(b.shape[-1] for b in bs))
 
 
 def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple, dim: int):

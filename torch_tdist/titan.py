@@ -14,8 +14,8 @@ Written for torchtitan 0.2.2 (the release for torch 2.11) on GPUs. Before the tr
 - stands in for ``datasets`` and ``torch.utils.tensorboard`` where they are not installed (only
   the Hugging Face loaders and the TensorBoard writer need them).
 
-With ``TDIST_TITAN_STATS=1`` every rank prints, at the end, the fused regions tdist ran and the
-overlapped calls of its TP group.
+With ``TDIST_TITAN_STATS=1`` every rank prints, at the end, the fused regions tdist ran, the
+overlapped calls of its TP group and the way tuning chose per shape class.
 """
 
 from __future__ import annotations
@@ -170,11 +170,12 @@ def _print_stats(trainer):
     from .backend import get_executor, is_tdist_group
 
     tp_mesh = trainer.parallel_dims.get_optional_mesh("tp")
-    overlapped = {}
+    overlapped, tuned = {}, {}
     if tp_mesh is not None and is_tdist_group(tp_mesh.get_group()):
-        overlapped = dict(get_executor(tp_mesh.get_group()).fused_calls)
+        executor = get_executor(tp_mesh.get_group())
+        overlapped, tuned = dict(executor.fused_calls), executor.tuned
     print(f"[torch_tdist.titan] rank {os.environ.get('RANK')}: fused regions tdist ran {dict(async_tp.served)}, "
-          f"overlapped calls {overlapped}", flush=True)
+          f"overlapped calls {overlapped}, tuned {tuned}", flush=True)
 
 
 def _stand_in_for_missing_modules():
