@@ -142,8 +142,7 @@ class BulkPath:
         torch.mm(a, b, out=out)
         self.streams.record("mm", out, a, b)
 
-    def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0,
-                       publish: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0):
         """Every peer has finished its previous call and makes this one (the same
         ``signature``: op, dtype, count, chunks), on ``stream``; then the call's other side
         streams are ordered after it. From here until the call returns, the group's flags are
@@ -151,16 +150,13 @@ class BulkPath:
         ``stream`` waits after the main stream's earlier work while the main stream goes on
         (with what touches no peer: its own part of a pipelined op), and the caller orders the
         main stream after it before any kernel that waits for peers (which could otherwise
-        hold every SM while this barrier's kernel waits for one). ``publish``: (dst, src),
-        this rank's data that peers will read, copied before they are told."""
+        hold every SM while this barrier's kernel waits for one)."""
         self.in_flight = True
         streams = self.streams
         sides = self.world - 1 if sides is None else sides
         streams.begin(max(sides, stream))
         if stream:
             streams.after(stream, 0)
-        if publish is not None:
-            streams.copy(stream, *publish)
         for p in self._peers():
             streams.write(stream, self._flag_address(p, self.rank), signature)
         self._wait_for_peers(op, 0, 1, signature, "to start the same call", stream)
@@ -370,11 +366,12 @@ class BulkPath:
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
-        # (on the main stream: on a side stream, beside this rank's own part, the publishing copy
-        # shares memory bandwidth with the matmul and the pulls start later; on 4 H200s
-        # 8192x4608x36864 took 1803 us instead of 1556, and only matmul-bound shapes gained)
-        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side,
-                            publish=(self._slots(dtype)[:n], src))
+        # (the copy and the barrier on the main stream: on a side stream, beside this rank's own
+        # part, the copy shared memory bandwidth with the matmul and the pulls started later; on
+        # 4 H200s 8192x4608x36864 took 1803 us instead of 1556, only matmul-bound shapes gained)
+        streams.begin(side)
+        streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
         if consume:
             consume(me, 0, src)
