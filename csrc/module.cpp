@@ -120,7 +120,7 @@ PYBIND11_MODULE(_C, m) {
       "(initialised here, my PE, number of PEs); NVSHMEM over the group");
   py::class_<tdist::StreamProgram>(m, "StreamProgram")
       .def(
-          py::init<const py::list&, std::vector<uintptr_t>>(),
+          py::init<const py::list&, const std::vector<std::tuple<int64_t, int64_t, int64_t>>&>(),
           py::arg("steps"),
           py::arg("side_streams"))
       .def(

@@ -69,9 +69,12 @@ StreamProgram::View StreamProgram::view(const py::handle& item) {
   return v;
 }
 
-StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideStreams) {
-  for (auto handle : sideStreams) {
-    sides_.push_back(reinterpret_cast<void*>(handle));
+StreamProgram::StreamProgram(
+    const py::list& steps,
+    const std::vector<std::tuple<int64_t, int64_t, int64_t>>& sideStreams) {
+  for (const auto& [id, index, type] : sideStreams) {
+    sides_.push_back(c10::Stream::unpack3(
+        id, static_cast<c10::DeviceIndex>(index), static_cast<c10::DeviceType>(type)));
   }
   for (size_t i = 0; i <= sides_.size(); ++i) {
     void* event = nullptr;
@@ -94,9 +97,10 @@ StreamProgram::StreamProgram(const py::list& steps, std::vector<uintptr_t> sideS
       s.waited = t[2].cast<int>();
     } else if (kind == "mm") {
       s.kind = Matmul;
-      s.out = view(t[1]);
-      s.a = view(t[2]);
-      s.b = view(t[3]);
+      s.stream = t[1].cast<int>();
+      s.out = view(t[2]);
+      s.a = view(t[3]);
+      s.b = view(t[4]);
     } else if (kind == "launch") {
       s.kind = Launch;
       s.stream = t[1].cast<int>();
@@ -146,11 +150,11 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
   for (const auto& t : roles) {
     addresses.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()));
   }
-  void* main = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA)
-                   .getStream(roles[0].device())
-                   .native_handle();
+  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  const c10::Stream main = guard.getStream(roles[0].device());
   const auto& cu = driver();
-  auto stream = [&](int index) { return index == 0 ? main : sides_[index - 1]; };
+  auto torchStream = [&](int index) { return index == 0 ? main : sides_[index - 1]; };
+  auto stream = [&](int index) { return torchStream(index).native_handle(); };
   for (const auto& s : steps_) {
     switch (s.kind) {
       case Copy:
@@ -172,7 +176,14 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
         break;
       case Matmul: {
         auto out = resolve(s.out, roles);
-        at::mm_out(out, resolve(s.a, roles), resolve(s.b, roles));
+        guard.exchangeStream(torchStream(s.stream)); // cuBLAS runs on the current stream
+        try {
+          at::mm_out(out, resolve(s.a, roles), resolve(s.b, roles));
+        } catch (...) {
+          guard.exchangeStream(main);
+          throw;
+        }
+        guard.exchangeStream(main);
         break;
       }
       case Launch:

@@ -1,7 +1,7 @@
 // A bulk-path call of the pipelined overlap ops (torch_tdist/bulk.py), as
 // Python recorded it the first time: copies, flag writes and zeroing on the
 // caller's stream and side streams, events ordering one stream after another,
-// matmuls (on the caller's stream) and Triton launches (on any). Replayed from
+// matmuls and Triton launches (on any). Replayed from
 // C++ for later calls of the same shapes with the call's tensors ("roles": the
 // matmul's operands and results, a staging buffer) in place of the recorded
 // ones; everything else (the heap's slots and flags) is where it was. Host time
@@ -9,9 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "device_path.hpp"
@@ -21,8 +23,9 @@ namespace tdist {
 class StreamProgram {
  public:
   // `steps`: the executor's list (torch_tdist/collectives.py,
-  // Executor._stream_program); `sideStreams`: the side streams' handles.
-  StreamProgram(const py::list& steps, std::vector<uintptr_t> sideStreams);
+  // Executor._stream_program); `sideStreams`: the side streams, each as
+  // torch.cuda.Stream's (stream_id, device_index, device_type).
+  StreamProgram(const py::list& steps, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& sideStreams);
   ~StreamProgram();
   StreamProgram(const StreamProgram&) = delete;
   StreamProgram& operator=(const StreamProgram&) = delete;
@@ -63,7 +66,7 @@ class StreamProgram {
 
   std::vector<Step> steps_;
   std::vector<LaunchPlan> launches_;
-  std::vector<void*> sides_;
+  std::vector<c10::Stream> sides_;
   std::vector<void*> events_; // one per stream: the caller's, then the side streams'
 };
 

@@ -65,6 +65,10 @@ KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs 
 RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
+# The pipelined ops' matmuls of successive pieces alternate between the main stream and a side
+# stream (2) or all run on the main one (1): a piece of a quarter of the rows fills the last
+# wave of the GPU's SMs worse than the whole matmul, and the next piece can fill the gap.
+MATMUL_STREAMS = 2
 
 
 def _runs_of_rows(lo: int, hi: int, row: int, runs: int) -> list[tuple[int, int]]:
@@ -137,10 +141,20 @@ class BulkPath:
             compiled = self._launch(op, kernel, grid, *args, **meta)
         self.streams.record("launch", stream, kernel, compiled, grid, args, meta)
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
-        """``out = a @ b`` on the main stream (recorded as ``("mm", out, a, b)``)."""
-        torch.mm(a, b, out=out)
-        self.streams.record("mm", out, a, b)
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, stream: int = 0):
+        """``out = a @ b`` on ``stream`` (recorded as ``("mm", stream, out, a, b)``)."""
+        with self.streams.on(stream):
+            torch.mm(a, b, out=out)
+        self.streams.record("mm", stream, out, a, b)
+
+    def _matmul_streams(self, first_side: int) -> tuple[int, ...]:
+        """The streams a pipelined op's matmuls take in turn: the main one, then (with
+        MATMUL_STREAMS 2) side stream ``first_side``, ordered after the main stream's work so far."""
+        if MATMUL_STREAMS == 1 or self.device.type == "cpu":
+            return (0,)
+        self.streams.begin(first_side)
+        self.streams.after(first_side, 0)
+        return (0, first_side)
 
     def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0):
         """Every peer has finished its previous call and makes this one (the same
@@ -351,10 +365,10 @@ class BulkPath:
         after every rank has pulled from it.
 
         With ``consume``, the pulls go in chunks of ``chunk`` elements on a side stream, each
-        taken on the caller's stream as it lands: ``consume(rank, start, piece)`` is queued for
-        this rank's ``src`` first, then for every chunk of every peer (element ``start`` of its
-        part, ``piece`` its rows of ``gathered``); torch ops run there while later chunks are in
-        flight. The last pull's ``consume`` (the last peer's last chunk) overlaps no pull: that
+        taken as it lands: ``consume(rank, start, piece, stream)`` is queued for this rank's
+        ``src`` first, then for every chunk of every peer (element ``start`` of its part,
+        ``piece`` its rows of ``gathered``), and queues torch ops on ``stream`` (the caller's and
+        a side stream in turn, ``_matmul_streams``) while later chunks are in flight. The last pull's ``consume`` (the last peer's last chunk) overlaps no pull: that
         chunk is pulled in ``end_pieces`` pieces of whole rows (``row`` elements each), each
         taken as it lands.
 
@@ -373,18 +387,20 @@ class BulkPath:
         streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
+        compute = self._matmul_streams(side + 1) if consume else (0,)
         if consume:
-            consume(me, 0, src)
+            consume(me, 0, src, 0)
             if pulls:
                 p, lo, hi = pulls.pop()
                 pulls += [(p, start, end) for start, end in _runs_of_rows(lo, hi, row, end_pieces)]
-        for p, lo, hi in pulls:
+        for i, (p, lo, hi) in enumerate(pulls, start=1):
             streams.copy(side, gathered[p, lo:hi], self._slots(dtype, p)[lo:hi])
             if consume:
-                streams.after(0, side)
-                consume(p, lo, gathered[p, lo:hi])
+                stream = compute[i % len(compute)]
+                streams.after(stream, side)
+                consume(p, lo, gathered[p, lo:hi], stream)
         streams.copy(side, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
-        streams.join(side)
+        streams.join(side + len(compute) - 1)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
         self._wait_for_peers(op, self._ready_index(1, 0, 0), KMAX, 1, "to finish pulling")
@@ -394,8 +410,9 @@ class BulkPath:
     def reduce_scatter_pipelined(self, op: str, call_word: int, out: torch.Tensor, chunk: int,
                                  reduce_op: str, produce, staging: torch.Tensor, row: int = 1,
                                  end_pieces: int = 1):
-        """reduce_scatter whose parts torch ops make on the caller's stream: ``out`` (flat, n) =
-        OP over ranks of their part for this rank. ``produce(rank, start, dst)`` queues elements
+        """reduce_scatter whose parts torch ops make: ``out`` (flat, n) = OP over ranks of their
+        part for this rank. ``produce(rank, start, dst, stream)`` queues on ``stream`` (the
+        caller's and a side stream in turn, ``_matmul_streams``) elements
         ``[start, start + dst.numel())`` of this rank's part for ``rank`` into ``dst``: the
         peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
         the next is made, this rank's own part last, then the reduce kernel sums the chunks as
@@ -411,23 +428,32 @@ class BulkPath:
         # for an SM behind the reduce kernel, whose programs wait for the peers that wait for this
         # barrier (without that wait, tuning small shapes hung on every rank).
         barrier_pending = min(1, world - 1)
+        compute = self._matmul_streams(world)  # (not ordered after the barrier: no peer is touched)
         self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_pending)
         slots = self._slots(dtype)
+        made = 0
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
             for stream, d in enumerate(self._peers(), start=1):
                 pieces = _runs_of_rows(lo, hi, row, end_pieces) if k == 0 and stream == 1 else [(lo, hi)]
                 for start, end in pieces:
                     part = staging[d * n + start:d * n + end]
-                    produce(d, start, part)
+                    maker = compute[made % len(compute)]
+                    made += 1
+                    produce(d, start, part, maker)
                     if barrier_pending:
                         self.streams.after(0, barrier_pending)
                         barrier_pending = 0
-                    self.streams.after(stream, 0)
+                    self.streams.after(stream, maker)
                     self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
                 self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
         own = slots[me * n:(me + 1) * n]
-        produce(me, 0, own)
+        maker = compute[made % len(compute)]
+        produce(me, 0, own, maker)
+        # (every matmul is queued before the reduce kernel, whose programs wait for the peers:
+        # a matmul behind them on another stream could wait for an SM while a peer waits for it)
+        for side in compute[1:]:
+            self.streams.after(0, side)
         self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(me * n, chunk), push=None)
         self.streams.join(world - 1)

@@ -956,9 +956,9 @@ class Executor:
         def calls():
             for row0, rows, chunk in rounds:
 
-                def consume(rank, start, piece):
+                def consume(rank, start, piece, stream):
                     r0, count = rank * m + row0 + start // k, piece.numel() // k
-                    self._bulk.matmul(piece.view(count, k), b, out[r0:r0 + count])
+                    self._bulk.matmul(piece.view(count, k), b, out[r0:r0 + count], stream)
 
                 a_round = a[row0:row0 + rows].reshape(-1)
                 # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
@@ -988,9 +988,9 @@ class Executor:
         def calls():
             for row0, rows, chunk in rounds:
 
-                def produce(rank, start, dst):
+                def produce(rank, start, dst, stream):
                     r0, count = rank * m + row0 + start // n, dst.numel() // n
-                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n))
+                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n), stream)
 
                 self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
                     op_, word, flat, chunk, reduce_op, produce, staging, row=n, end_pieces=pieces),
@@ -1132,10 +1132,11 @@ class Executor:
             elif kind == "after":
                 program.append((kind, *step))
             elif kind == "mm":
-                views = [view(t) for t in step]
+                stream, *operands = step
+                views = [view(t) for t in operands]
                 if None in views:
                     return None
-                program.append((kind, *views))
+                program.append((kind, stream, *views))
             else:  # launch
                 stream, kernel, compiled, grid, args, meta = step
 
@@ -1149,7 +1150,7 @@ class Executor:
                 if launch is None:
                     return None
                 program.append((kind, stream, launch))
-        return _C.StreamProgram(program, self._bulk.streams.side_handles)
+        return _C.StreamProgram(program, self._bulk.streams.side_streams)
 
     def hierarchical_all_gather(self, output, input, ranks_per_node: int):
         """all_gather_into_tensor as between nodes of ``ranks_per_node`` ranks: NVSHMEM puts

@@ -12,7 +12,8 @@ While ``recording`` is a list, every step is also appended to it for C++ to repl
 (``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src)``,
 ``("zero", stream, tensor)``, ``("write", stream, address, value)``,
 ``("after", waiter, waited)`` (stream ``waiter`` after what is queued on ``waited``); the
-bulk path adds its matmuls and launches (``BulkPath.matmul``, ``BulkPath._kernel``).
+bulk path adds its matmuls and launches (``BulkPath.matmul``, ``BulkPath._kernel``), each
+with its stream.
 """
 
 import contextlib
@@ -50,9 +51,10 @@ class Streams:
             self._main_event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
     @property
-    def side_handles(self) -> list[int]:
-        """The side streams' native handles."""
-        return [stream.cuda_stream for stream, _, _ in self._side]
+    def side_streams(self) -> list[tuple[int, int, int]]:
+        """The side streams as (stream_id, device_index, device_type), what C++ makes a
+        c10::Stream of."""
+        return [(s.stream_id, s.device_index, s.device_type) for s, _, _ in self._side]
 
     def record(self, *step):
         """Append ``step`` to ``recording`` while it is a list."""
