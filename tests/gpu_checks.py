@@ -548,6 +548,45 @@ def pipelined_graphs(tg, rank, world, device, gen):
         _failures.append(f"pipelined_graphs: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
 
 
+def pipelined_tf32_switch(tg, rank, world, device, gen):
+    """float32 pipelined ops follow a change of torch's TF32 setting between calls: calls with
+    TF32 on (the later ones replay a CUDA graph, whose matmuls keep the setting of their
+    capture), then with it off, whose results must be as exact as an fp32 matmul's (TF32's are
+    not: the check fails if they are not, since it could not tell the two apart)."""
+    if NVSHMEM:
+        return
+    executor = torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"}))
+    m, n, k = 256, 512, 384
+    a = torch.empty(m, k, device=device)
+    b = torch.empty(k, n, device=device)
+    out, a_out = torch.empty(world * m, n, device=device), torch.empty(world * m, k, device=device)
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        for precision, calls in (("tf32", 4), ("ieee", 2)):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            for call in range(calls):
+                a.copy_(torch.randn(a.shape, device=device, generator=gen))
+                b.copy_(torch.randn(b.shape, device=device, generator=gen))
+                out.fill_(float("nan"))
+                if not executor.all_gather_matmul_pipelined(a, b, out, a_out, 2):
+                    _failures.append("pipelined_tf32_switch: the heap did not take the pipelined op")
+                    return
+                a_full = torch.empty(world * m, k, device=device, dtype=torch.float64)
+                dist.all_gather_into_tensor(a_full, a.double())
+                want = a_full @ b.double()
+                err = ((out.double() - want).norm() / want.norm()).item()
+                exact = err < 1e-5
+                global _checked
+                _checked += 1
+                if exact != (precision == "ieee"):
+                    _failures.append(f"pipelined_tf32_switch: call {call} with fp32_precision={precision}: "
+                                     f"relative error {err:.3g}")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    if executor.graph_calls < 2:
+        _failures.append(f"pipelined_tf32_switch: {executor.graph_calls} calls replayed as graphs, expected 2 or more")
+
+
 def pipelined_back_to_back(tg, rank, world, device, gen):
     """Pipelined ops and bulk collectives of one group queued back to back with no host
     synchronisation, each rank held up by a different GPU sleep before different calls (a rank
@@ -792,7 +831,7 @@ NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
           streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
-          pipelined_in_user_graph,
+          pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

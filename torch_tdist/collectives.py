@@ -1016,8 +1016,10 @@ class Executor:
         ``key`` and of these ``roles``' shapes is recorded (``Streams.recording``), and later
         ones replay it from C++ with their own ``roles`` (csrc/stream_program.hpp): the same
         steps without Python's tens of microseconds each."""
-        # (the kernels were compiled for their pointers' 16-byte alignment)
-        key = (*key, *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16) for t in roles))
+        # (the kernels were compiled for their pointers' 16-byte alignment; a float32 matmul
+        # captured in a graph keeps the TF32 setting of its capture)
+        key = (*key, *((t.dtype, t.shape, t.stride(), t.data_ptr() % 16) for t in roles),
+               _fp32_matmul_precision() if roles[0].dtype == torch.float32 else None)
         program = self._programs.get(key)
         if program:
             self._replay(op, program, roles)
@@ -1213,6 +1215,13 @@ def _served_from(family: str | None) -> int | None:
     starts = [table["cuda"].get(family) for table in _FROM_BYTES.values()]
     starts = [v for v in starts if v is not None]
     return min(starts) if starts else None
+
+
+def _fp32_matmul_precision() -> str:
+    """What float32 matmuls on CUDA run in now ("ieee" or "tf32"), by torch's new API (reading
+    the legacy ``allow_tf32`` raises once both APIs were used)."""
+    precision = torch.backends.cuda.matmul.fp32_precision
+    return precision if precision != "none" else torch.backends.fp32_precision
 
 
 def _programs(numel: int, per: int = 1) -> int:
