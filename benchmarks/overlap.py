@@ -5,7 +5,8 @@
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
 each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune;
-``path`` is what its tuning chose: "sequential", "pipelined <chunks>" or "fused <config>"), tdist's fused kernels with
+``path`` is what its tuning chose: "sequential", "pipelined <chunks>" or "fused <config>", from
+the times per call in ``tuning_us``), tdist's fused kernels with
 the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
@@ -117,8 +118,10 @@ def main():
             by_shard = [round(_relative_error(f, w), 5) for f, w in zip(fused_out.chunk(world), want.chunk(world))]
             tuned_before = dict(executor.tuned)
             calls["tdist"]()  # tunes this shape class
-            path = next((way for key, way in executor.tuned.items() if key not in tuned_before), "tuned before")
+            new_key = next((key for key in executor.tuned if key not in tuned_before), None)
+            path = executor.tuned[new_key] if new_key else "tuned before"
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
+                   "tuning_us": executor.tuning_us.get(new_key),
                    "relative_error": round(error, 5), "relative_error_by_shard": by_shard,
                    "pipelined_relative_error": round(_relative_error(pipelined_out, want), 5)}
             timers = {}

@@ -255,6 +255,7 @@ class Executor:
         self.abort_page_layout = (language.PAGE_REGIONS.value, language.MAX_REGIONS.value,
                                   language.PAGE_STUCK.value, language.STUCK_RECORDS.value)
         self.tuned = {}  # torch_tdist.ops: shape class -> the fastest way found ("tune")
+        self.tuning_us = {}  # torch_tdist.ops: shape class -> {way: its time there, us per call}
         self.uneven_classes = set()  # torch_tdist.ops: shape classes whose B widths differ between ranks
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds

@@ -147,11 +147,11 @@ def _run(group, key, sequential, overlapped, width=None):
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
-        choice, widths_differ = _fastest(group, executor.heap.device, ways, width or 0)
+        choice, widths_differ, times = _fastest(group, executor.heap.device, ways, width or 0)
         if widths_differ:
             executor.uneven_classes.add(shape_class)
             key = shape_class
-        executor.tuned[key] = choice
+        executor.tuned[key], executor.tuning_us[key] = choice, times
     return _or_sequential(ways[choice](), sequential)
 
 
@@ -159,8 +159,9 @@ def _or_sequential(result, sequential):
     return sequential() if result is None else result
 
 
-def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, bool]:
-    """(the way with the least time per call, whether ``width`` differs between ranks):
+def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, bool, dict]:
+    """(the way with the least time per call, whether ``width`` differs between ranks, every
+    runnable way's time in microseconds):
     TUNE_ROUNDS rounds over the ways (so that a slow moment of the machine does not count
     against one way only), each timing TUNE_RUNS calls on every rank after TUNE_WARMUPS, the
     ranks starting together; a way's time is its median round."""
@@ -182,7 +183,8 @@ def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, 
                            + [width, -width], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     slowest = slowest.cpu()
-    return _choose(list(ways), slowest[:len(ways)]), bool(slowest[-2] != -slowest[-1])
+    times = {name: round(t * 1e6, 1) for name, t in zip(ways, slowest.tolist()) if name in rounds}
+    return _choose(list(ways), slowest[:len(ways)]), bool(slowest[-2] != -slowest[-1]), times
 
 
 def _choose(names: list, slowest) -> str:
