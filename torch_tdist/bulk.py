@@ -65,9 +65,12 @@ KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs 
 RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
-# The pipelined ops' matmuls of successive pieces alternate between the main stream and a side
-# stream (2) or all run on the main one (1): a piece of a quarter of the rows fills the last
-# wave of the GPU's SMs worse than the whole matmul, and the next piece can fill the gap.
+# all_gather_matmul's pipelined matmuls of successive pieces alternate between the main stream
+# and a side stream (2) or all run on the main one (1): a piece of a fraction of the rows fills
+# the last wave of the GPU's SMs worse than the whole matmul, and the next piece, once its rows
+# have landed, can fill the gap (2 H200s: 1.00x-1.04x faster than 1; 4: no change). Not
+# matmul_reduce_scatter's: there two pieces made side by side both finish late, and so do their
+# pushes (4 H200s: up to 1.18x slower where the transfer outlasts the matmul).
 MATMUL_STREAMS = 2
 
 
@@ -148,7 +151,7 @@ class BulkPath:
         self.streams.record("mm", stream, out, a, b)
 
     def _matmul_streams(self, first_side: int) -> tuple[int, ...]:
-        """The streams a pipelined op's matmuls take in turn: the main one, then (with
+        """The streams all_gather_matmul's pipelined matmuls take in turn: the main one, then (with
         MATMUL_STREAMS 2) side stream ``first_side``, ordered after the main stream's work so far."""
         if MATMUL_STREAMS == 1 or self.device.type == "cpu":
             return (0,)
@@ -368,8 +371,8 @@ class BulkPath:
         taken as it lands: ``consume(rank, start, piece, stream)`` is queued for this rank's
         ``src`` first, then for every chunk of every peer (element ``start`` of its part,
         ``piece`` its rows of ``gathered``), and queues torch ops on ``stream`` (the caller's and
-        a side stream in turn, ``_matmul_streams``) while later chunks are in flight. The last pull's ``consume`` (the last peer's last chunk) overlaps no pull: that
-        chunk is pulled in ``end_pieces`` pieces of whole rows (``row`` elements each), each
+        a side stream in turn, ``_matmul_streams``) while later chunks are in flight. The last
+        pull's ``consume`` (the last peer's last chunk) overlaps no pull: that chunk is pulled in ``end_pieces`` pieces of whole rows (``row`` elements each), each
         taken as it lands.
 
         One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
@@ -410,9 +413,8 @@ class BulkPath:
     def reduce_scatter_pipelined(self, op: str, call_word: int, out: torch.Tensor, chunk: int,
                                  reduce_op: str, produce, staging: torch.Tensor, row: int = 1,
                                  end_pieces: int = 1):
-        """reduce_scatter whose parts torch ops make: ``out`` (flat, n) = OP over ranks of their
-        part for this rank. ``produce(rank, start, dst, stream)`` queues on ``stream`` (the
-        caller's and a side stream in turn, ``_matmul_streams``) elements
+        """reduce_scatter whose parts torch ops make on the caller's stream: ``out`` (flat, n) =
+        OP over ranks of their part for this rank. ``produce(rank, start, dst)`` queues elements
         ``[start, start + dst.numel())`` of this rank's part for ``rank`` into ``dst``: the
         peers' chunks first (chunk by chunk, every peer's), each pushed by a copy engine while
         the next is made, this rank's own part last, then the reduce kernel sums the chunks as
@@ -428,32 +430,23 @@ class BulkPath:
         # for an SM behind the reduce kernel, whose programs wait for the peers that wait for this
         # barrier (without that wait, tuning small shapes hung on every rank).
         barrier_pending = min(1, world - 1)
-        compute = self._matmul_streams(world)  # (not ordered after the barrier: no peer is touched)
         self._start_barrier(op, self._signature(call_word, n, n_chunks), stream=barrier_pending)
         slots = self._slots(dtype)
-        made = 0
         for k in range(n_chunks):
             lo, hi = k * chunk, min(n, (k + 1) * chunk)
             for stream, d in enumerate(self._peers(), start=1):
                 pieces = _runs_of_rows(lo, hi, row, end_pieces) if k == 0 and stream == 1 else [(lo, hi)]
                 for start, end in pieces:
                     part = staging[d * n + start:d * n + end]
-                    maker = compute[made % len(compute)]
-                    made += 1
-                    produce(d, start, part, maker)
+                    produce(d, start, part)
                     if barrier_pending:
                         self.streams.after(0, barrier_pending)
                         barrier_pending = 0
-                    self.streams.after(stream, maker)
+                    self.streams.after(stream, 0)
                     self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
                 self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
         own = slots[me * n:(me + 1) * n]
-        maker = compute[made % len(compute)]
-        produce(me, 0, own, maker)
-        # (every matmul is queued before the reduce kernel, whose programs wait for the peers:
-        # a matmul behind them on another stream could wait for an SM while a peer waits for it)
-        for side in compute[1:]:
-            self.streams.after(0, side)
+        produce(me, 0, own)
         self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
                      offsets=(me * n, chunk), push=None)
         self.streams.join(world - 1)

@@ -989,9 +989,9 @@ class Executor:
         def calls():
             for row0, rows, chunk in rounds:
 
-                def produce(rank, start, dst, stream):
+                def produce(rank, start, dst):
                     r0, count = rank * m + row0 + start // n, dst.numel() // n
-                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n), stream)
+                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n))
 
                 self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
                     op_, word, flat, chunk, reduce_op, produce, staging, row=n, end_pieces=pieces),
