@@ -1,11 +1,11 @@
 // A bulk-path call of the pipelined overlap ops (torch_tdist/bulk.py), as
 // Python recorded it the first time: copies, flag writes and zeroing on the
 // caller's stream and side streams, events ordering one stream after another,
-// matmuls and Triton launches (on any). Replayed from
-// C++ for later calls of the same shapes with the call's tensors ("roles": the
-// matmul's operands and results, a staging buffer) in place of the recorded
-// ones; everything else (the heap's slots and flags) is where it was. Host time
-// per call: a few microseconds a step instead of tens in Python.
+// matmuls and Triton launches (on any of them). Replayed from C++ for later
+// calls of the same shapes with the call's tensors ("roles": the matmul's
+// operands and results, a staging buffer) in place of the recorded ones;
+// everything else (the heap's slots and flags) is where it was. Host time per
+// call: a few microseconds a step instead of tens in Python.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +25,9 @@ class StreamProgram {
   // `steps`: the executor's list (torch_tdist/collectives.py,
   // Executor._stream_program); `sideStreams`: the side streams, each as
   // torch.cuda.Stream's (stream_id, device_index, device_type).
-  StreamProgram(const py::list& steps, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& sideStreams);
+  StreamProgram(
+      const py::list& steps,
+      const std::vector<std::tuple<int64_t, int64_t, int64_t>>& sideStreams);
   ~StreamProgram();
   StreamProgram(const StreamProgram&) = delete;
   StreamProgram& operator=(const StreamProgram&) = delete;

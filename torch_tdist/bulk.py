@@ -372,8 +372,8 @@ class BulkPath:
         ``src`` first, then for every chunk of every peer (element ``start`` of its part,
         ``piece`` its rows of ``gathered``), and queues torch ops on ``stream`` (the caller's and
         a side stream in turn, ``_matmul_streams``) while later chunks are in flight. The last
-        pull's ``consume`` (the last peer's last chunk) overlaps no pull: that chunk is pulled in ``end_pieces`` pieces of whole rows (``row`` elements each), each
-        taken as it lands.
+        pull's ``consume`` (the last peer's last chunk) overlaps no pull: that chunk is pulled in
+        ``end_pieces`` pieces of whole rows (``row`` elements each), each taken as it lands.
 
         One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
         several streams at once, or in smaller pieces, were slower (benchmarks/results/
