@@ -68,9 +68,10 @@ PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 # all_gather_matmul's pipelined matmuls of successive pieces alternate between the main stream
 # and a side stream (2) or all run on the main one (1): a piece of a fraction of the rows fills
 # the last wave of the GPU's SMs worse than the whole matmul, and the next piece, once its rows
-# have landed, can fill the gap (2 H200s: 1.00x-1.04x faster than 1; 4: no change). Not
+# have landed, can fill the gap (2 H200s, in turn with 1 in one run: 1.00x-1.04x faster). Not
 # matmul_reduce_scatter's: there two pieces made side by side both finish late, and so do their
-# pushes (4 H200s: up to 1.18x slower where the transfer outlasts the matmul).
+# pushes (4 H200s, two benchmark runs minutes apart, not side by side: 1.13x-1.15x slower where
+# the transfer outlasts the matmul, the matmul alone 1.02x).
 MATMUL_STREAMS = 2
 
 
