@@ -26,17 +26,18 @@ from torch_tdist.heap import parse_size  # noqa: E402
 _cpu_group = None  # Gloo, to combine timings across ranks
 _async_op = False  # --async-op
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all_single", "broadcast", "all_to_all_moe")
-# MoE dispatch: 128 tokens per rank, hidden 7168 (bf16), each token to its top-8 of 8 experts per rank
+# MoE dispatch: 128 tokens per rank (--moe-tokens), hidden 7168 (bf16), each token to its top-8
+# of 8 experts per rank
 MOE_TOKENS, MOE_HIDDEN, MOE_TOP_K, MOE_EXPERTS_PER_RANK = 128, 7168, 8, 8
 
 
-def _moe_splits(world, seed=0):
+def _moe_splits(world, tokens=MOE_TOKENS, seed=0):
     """splits[src][dst]: tokens rank src sends to rank dst (the same table on every rank)."""
     g = torch.Generator().manual_seed(seed)
     experts = world * MOE_EXPERTS_PER_RANK
     splits = torch.zeros(world, world, dtype=torch.int64)
     for src in range(world):
-        chosen = torch.rand(MOE_TOKENS, experts, generator=g).topk(MOE_TOP_K, dim=1).indices
+        chosen = torch.rand(tokens, experts, generator=g).topk(MOE_TOP_K, dim=1).indices
         splits[src] = torch.bincount((chosen // MOE_EXPERTS_PER_RANK).flatten(), minlength=world)
     return splits
 
@@ -60,8 +61,9 @@ def _call(op, group, inp, out):
 
 
 def _buffers(op, nbytes, world, device):
+    """(input, output) of one call; all_to_all_moe: ``nbytes`` is the tokens per rank."""
     if op == "all_to_all_moe":
-        splits, rank = _moe_splits(world), dist.get_rank()
+        splits, rank = _moe_splits(world, nbytes), dist.get_rank()
         inp = torch.randn(int(splits[rank].sum()), MOE_HIDDEN, device=device).to(torch.bfloat16)
         out = torch.empty(int(splits[:, rank].sum()), MOE_HIDDEN, device=device, dtype=torch.bfloat16)
         return inp, (out, splits[:, rank].tolist(), splits[rank].tolist())
@@ -165,6 +167,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M", help="bytes per rank")
     parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--moe-tokens", default=str(MOE_TOKENS), help="all_to_all_moe: tokens per rank")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of loops, tdist and NCCL in turn")
@@ -188,7 +191,8 @@ def main():
     transport = torch_tdist.get_heap(tdist_group).transport
     rows = []
     for op in args.ops.split(","):
-        sizes = [parse_size(s) for s in args.sizes.split(",")] if op != "all_to_all_moe" else [0]
+        sizes = ([parse_size(s) for s in args.sizes.split(",")] if op != "all_to_all_moe"
+                 else [int(t) for t in args.moe_tokens.split(",")])
         for nbytes in sizes:
             inp, out = _buffers(op, nbytes, world, device)
             nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
@@ -205,7 +209,8 @@ def main():
             served = "tdist" if after[name]["fallback"] == before[name]["fallback"] else "fallback"
             msg_bytes = inp.numel() * inp.element_size() * (world if op == "all_gather" else 1)
             if op == "all_to_all_moe":  # what leaves this rank (the slowest rank sets the time)
-                msg_bytes = int(max(_moe_splits(world)[r].sum() - _moe_splits(world)[r, r]
+                splits = _moe_splits(world, nbytes)
+                msg_bytes = int(max(splits[r].sum() - splits[r, r]
                                     for r in range(world))) * MOE_HIDDEN * 2 * world / (world - 1)
             factor = _bus_factor(op, world) * msg_bytes / 1e3
             rows.append({"op": op, "bytes_per_rank": inp.numel() * inp.element_size(),
@@ -214,6 +219,8 @@ def main():
                          "tdist_single_us": round(tdist_us, 2), "nccl_single_us": round(nccl_us, 2),
                          "tdist_busbw_gbs": round(factor / tdist_loop_us, 1),
                          "nccl_busbw_gbs": round(factor / nccl_loop_us, 1)})
+            if op == "all_to_all_moe":
+                rows[-1].update(tokens_per_rank=nbytes, hidden=MOE_HIDDEN, top_k=MOE_TOP_K)
             if args.graph:
                 rows[-1].update(tdist_graph_us=round(graphs["tdist"], 2), nccl_graph_us=round(graphs["nccl"], 2))
             if rank == 0:

@@ -74,6 +74,13 @@ DriverLaunchEx driverLaunchEx() {
 
 } // namespace
 
+void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  using CopyAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
+  static auto fn = reinterpret_cast<CopyAsync>(driverSymbol("cuMemcpyHtoDAsync_v2"));
+  int rc = fn(reinterpret_cast<uint64_t>(dst), src, bytes, stream);
+  TORCH_CHECK(rc == 0, "tdist: cuMemcpyHtoDAsync failed with CUDA error ", rc);
+}
+
 uint64_t captureId(const c10::Stream& stream) {
   if (stream.device_type() != c10::DeviceType::CUDA) {
     return 0;

@@ -73,6 +73,10 @@ c10::Stream currentStream(const c10::Device& device);
 // extension builds without a CUDA toolkit).
 void* driverSymbol(const char* name);
 
+// Copies `bytes` of pageable host memory to device memory on `stream` (a native
+// stream handle); the driver stages them before it returns, so `src` may go then.
+void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream);
+
 // The id of the CUDA graph capture `stream` is in, 0 when none.
 uint64_t captureId(const c10::Stream& stream);
 

@@ -975,6 +975,75 @@ void ProcessGroupTDist::executePlanned(
   }
 }
 
+void ProcessGroupTDist::executeUneven(
+    const at::Tensor& input,
+    const at::Tensor& output,
+    const std::vector<int64_t>& inSplits,
+    const std::vector<int64_t>& outSplits) {
+  constexpr Op op = Op::AllToAllSingle;
+  // send offsets | send counts | recv offsets | recv counts, as the executor's _exchange
+  std::vector<int64_t> table(4 * size_);
+  int64_t rowIn = rowNumel(input), rowOut = rowNumel(output), most = 0;
+  for (int part = 0; part < 2; ++part) {
+    const auto& splits = part == 0 ? inSplits : outSplits;
+    int64_t row = part == 0 ? rowIn : rowOut, offset = 0;
+    for (int r = 0; r < size_; ++r) {
+      table[(2 * part) * size_ + r] = offset;
+      table[(2 * part + 1) * size_ + r] = splits[r] * row;
+      offset += splits[r] * row;
+      most = std::max(most, splits[r] * row);
+    }
+  }
+  // the kernel's accesses are 16 bytes wide where every offset and count allows (Python: ALIGN)
+  int64_t vector = std::max<int64_t>(1, 16 / input.element_size());
+  bool aligned = std::all_of(
+      table.begin(), table.end(), [&](int64_t v) { return v % vector == 0; });
+  PlanKey key{
+      static_cast<int>(op),
+      static_cast<int>(input.scalar_type()),
+      -1,
+      -1,
+      aligned ? 1 : 0,
+      -2, // split sizes given
+      static_cast<int>(input.device().index())};
+  bool gpu = !input.is_cpu();
+  if (gpu && LaunchPlan::fits(input) && LaunchPlan::fits(output)) {
+    c10::impl::VirtualGuardImpl impl(input.device().type());
+    c10::Stream stream = impl.getStream(input.device());
+    std::lock_guard<std::mutex> lock(plansMutex_);
+    auto it = plans_.find(key);
+    // (a capture may not copy from pageable memory, and a call too large for the mailboxes
+    // gets the executor's error)
+    if (it != plans_.end() && captureId(stream) == 0 &&
+        most * input.element_size() <= mailboxBytes_) {
+      if (!unevenTable_.defined() || unevenTable_.device() != input.device()) {
+        unevenTable_ = at::empty(
+            {4 * size_}, at::TensorOptions().dtype(at::kLong).device(input.device()));
+      }
+      void* native = stream.native_handle();
+      copyHostToDevice(
+          unevenTable_.data_ptr(), table.data(), table.size() * sizeof(int64_t), native);
+      it->second.launch(
+          {reinterpret_cast<uintptr_t>(input.data_ptr()),
+           reinterpret_cast<uintptr_t>(output.data_ptr()),
+           reinterpret_cast<uintptr_t>(unevenTable_.data_ptr())},
+          native);
+      return;
+    }
+  }
+  auto plan = execute(op, "all_to_all_single", output, input, outSplits, inSplits);
+  if (plan && gpu) {
+    int64_t mailbox = 0;
+    {
+      py::gil_scoped_acquire gil;
+      mailbox = executor_.get().attr("mailbox_bytes").cast<int64_t>();
+    }
+    std::lock_guard<std::mutex> lock(plansMutex_);
+    mailboxBytes_ = mailbox;
+    plans_.emplace(key, std::move(*plan));
+  }
+}
+
 PlanKey ProcessGroupTDist::planKey(
     Op op,
     const at::Tensor& input,
@@ -1471,7 +1540,7 @@ WorkPtr ProcessGroupTDist::alltoall_base(
         std::vector<int64_t>{},
         std::vector<int64_t>{});
   } else {
-    execute(op, "all_to_all_single", output, input, outSplits, inSplits);
+    executeUneven(input, output, inSplits, outSplits);
   }
   return finishWork(work, op);
 }

@@ -344,6 +344,15 @@ class ProcessGroupTDist : public c10d::Backend {
       Op op,
       const char* method,
       Args&&... args);
+  // all_to_all_single with split sizes: its kernel reads the ranks' offsets
+  // and counts (elements) from a table on the device, so one plan per dtype
+  // and alignment serves every split; a replay first copies the call's table
+  // into unevenTable_ (stream order keeps it until the kernel has read it).
+  void executeUneven(
+      const at::Tensor& input,
+      const at::Tensor& output,
+      const std::vector<int64_t>& inSplits,
+      const std::vector<int64_t>& outSplits);
   PlanKey planKey(
       Op op,
       const at::Tensor& input,
@@ -392,6 +401,8 @@ class ProcessGroupTDist : public c10d::Backend {
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;
+  at::Tensor unevenTable_; // the replayed uneven all-to-all's table
+  int64_t mailboxBytes_ = 0; // the most it may send a rank (known with a plan)
 
   std::array<std::atomic<uint64_t>, kNumOps> tdistCount_{};
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};

@@ -136,26 +136,87 @@ def every_op(tg, rank, world, device, gen):
 
 
 def uneven_all_to_all(tg, rank, world, device, gen):
-    """all_to_all_single through tdist's kernel (on GPUs NCCL serves it by default): uneven
-    splits, then even ones, on a group whose size limits are lifted."""
-    kg = _tdist_group({"TDIST_GPU_SIZE_LIMITS": "0"})
-    for trial in range(REPEATS):
-        g = torch.Generator().manual_seed(100 + trial)  # the same split table on every rank
-        splits = torch.randint(0, 300, (world, world), generator=g)  # splits[src][dst] rows
-        if trial % 2:
-            splits[:] = 1 + trial
-        row = 7168 // 16
-        src = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+    """all_to_all_single with split sizes through tdist's kernel (TDIST_UNEVEN_ALL_TO_ALL=1; by
+    default NCCL serves it): uneven splits with empty pairs, a rank that sends nothing, even
+    splits given explicitly, rows whose offsets break 16-byte accesses (fp32 rows of 7), each
+    kind twice or more, so later calls replay the launch plan with a table C++ wrote; then a
+    CUDA graph of an uneven call whose splits no call had before, replayed on fresh inputs."""
+    kg = _tdist_group({"TDIST_UNEVEN_ALL_TO_ALL": "1"})
+    calls = 0
+
+    def a2a_pair(group, splits, row, dtype, label):
+        src = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(dtype)
 
         def a2a(grp):
             out = torch.full((int(splits[:, rank].sum()), row), 7, dtype=src.dtype, device=device)
             dist.all_to_all_single(out, src, splits[:, rank].tolist(), splits[rank].tolist(), group=grp)
             return out
-        _check(f"all_to_all_single {'even' if trial % 2 else 'uneven'} #{trial}", *_pair(a2a, kg))
+        _check(f"all_to_all_single {label}", *_pair(a2a, group))
+
+    for trial in range(6):
+        g = torch.Generator().manual_seed(100 + trial)  # the same split table on every rank
+        splits = torch.randint(0, 300, (world, world), generator=g)  # splits[src][dst] rows
+        splits[splits < 40] = 0
+        label = "uneven"
+        if trial == 1:
+            splits[:] = 2
+            label = "even splits given"
+        elif trial == 2:
+            splits[world - 1] = 0
+            label = f"uneven, rank {world - 1} sends nothing"
+        a2a_pair(kg, splits, 7168 // 16, torch.bfloat16, f"{label} #{trial}")
+        if trial % 2:
+            a2a_pair(kg, splits, 7, torch.float32, f"{label}, fp32 rows of 7 #{trial}")
+            calls += 1
+        calls += 1
+
+    g = torch.Generator().manual_seed(200)
+    splits = torch.randint(1, 50, (world, world), generator=g)
+    row = 512
+    static_in = torch.zeros(int(splits[rank].sum()), row, device=device, dtype=torch.bfloat16)
+    static_out = torch.zeros(int(splits[:, rank].sum()), row, device=device, dtype=torch.bfloat16)
+    graph = _captured(lambda: dist.all_to_all_single(static_out, static_in, splits[:, rank].tolist(),
+                                                     splits[rank].tolist(), group=kg), warmups=0)
+    calls += 1  # the capture
+    for replay in range(3):
+        x = torch.randn(static_in.shape, device=device, generator=gen).to(torch.bfloat16)
+        static_in.copy_(x)
+        static_out.fill_(7)
+        graph.replay()
+        want = torch.empty_like(static_out)
+        dist.all_to_all_single(want, x, splits[:, rank].tolist(), splits[rank].tolist())
+        _check(f"all_to_all_single uneven, captured with new splits #{replay}", static_out, want)
+    served = torch_tdist.stats(kg)["all_to_all_single"]
     global _checked
     _checked += 1
-    if torch_tdist.stats(kg)["all_to_all_single"]["tdist"] != REPEATS:
-        _failures.append(f"all_to_all_single: not every call served by tdist: {torch_tdist.stats(kg)}")
+    if served["tdist"] != calls or served["fallback"]:
+        _failures.append(f"all_to_all_single: {calls} calls, but stats {served}")
+
+    # a pair too large for its mailbox (64M / (8 x world) on a 64M heap): its two ranks raise,
+    # the other pairs arrive, and the group goes on
+    small = _tdist_group({"TDIST_UNEVEN_ALL_TO_ALL": "1", "TDIST_HEAP_SIZE": "64M"})
+    splits = torch.full((world, world), 3)
+    a2a_pair(small, splits, 512, torch.bfloat16, "on a 64M heap")  # (which makes the heap)
+    big = torch_tdist.get_executor(small).mailbox_bytes // 2 // 512 + 1
+    splits[0, 1] = big
+    src = torch.randn(int(splits[rank].sum()), 512, device=device, generator=gen).to(torch.bfloat16)
+    got = torch.full((int(splits[:, rank].sum()), 512), 7, dtype=src.dtype, device=device)
+    try:
+        dist.all_to_all_single(got, src, splits[:, rank].tolist(), splits[rank].tolist(), group=small)
+        raised = ""
+    except ValueError as err:
+        raised = str(err)
+    want = torch.empty_like(got)
+    dist.all_to_all_single(want, src, splits[:, rank].tolist(), splits[rank].tolist())
+    _checked += 1
+    if (rank in (0, 1)) != ("TDIST_HEAP_SIZE" in raised):
+        _failures.append(f"all_to_all_single with a pair too large for a mailbox: rank {rank} raised {raised!r}")
+    keep = torch.ones(got.shape[0], dtype=torch.bool, device=device)
+    if rank == 1:
+        keep[:big] = False  # rank 0's rows: not delivered
+    _check("all_to_all_single, the pairs that fit beside one too large", got[keep], want[keep])
+    splits[0, 1] = 3
+    a2a_pair(small, splits, 512, torch.bfloat16, "after a call too large for a mailbox")
 
 
 def subgroups(tg, rank, world, device, gen):

@@ -148,3 +148,37 @@ def bulk_mismatched_then_refused(rank, ws):
         except Exception as err:  # noqa: BLE001  (the test inspects it)
             outcomes.append((type(err).__name__, str(err)))
     return outcomes
+
+
+def all_to_all_too_large_for_a_mailbox(rank, ws, seed, big):
+    """Rank 0 sends rank 1 ``big`` float32 rows of 1 (more than a mailbox holds), every other
+    pair 3 + sender + receiver rows; then an all_to_all_single of 5 rows a pair. Returns (what the
+    first call raised or "returned", whether the rows it delivered were right, whether the second
+    call was right)."""
+    def rows(src, dst):
+        return big if (src, dst) == (0, 1) else 3 + src + dst
+
+    def data(src, tag):
+        g = torch.Generator().manual_seed(seed * 7 + src * 3 + tag)
+        return torch.randn(sum(rows(src, d) for d in range(ws)), 1, generator=g)
+
+    x = data(rank, 0)
+    out = torch.full((sum(rows(s, rank) for s in range(ws)), 1), float("nan"))
+    try:
+        dist.all_to_all_single(out, x, [rows(s, rank) for s in range(ws)], [rows(rank, d) for d in range(ws)])
+        first = "returned"
+    except ValueError as err:
+        first = str(err)
+    right, start = True, 0
+    for s in range(ws):
+        n = rows(s, rank)
+        begin = sum(rows(s, d) for d in range(rank))
+        if (s, rank) != (0, 1):  # the pair too large delivers nothing, the others everything
+            right = right and torch.equal(out[start:start + n], data(s, 0)[begin:begin + n])
+        start += n
+    x = torch.randn(5 * ws, 1, generator=torch.Generator().manual_seed(seed + rank))
+    out = torch.empty(5 * ws, 1)
+    dist.all_to_all_single(out, x, [5] * ws, [5] * ws)
+    want = torch.cat([torch.randn(5 * ws, 1, generator=torch.Generator().manual_seed(seed + s))[5 * rank:5 * rank + 5]
+                      for s in range(ws)])
+    return first, right, torch.equal(out, want)

@@ -106,3 +106,18 @@ def test_bulk_calls_that_differ_across_ranks_raise_on_every_rank(world_size):
     for rank, (first, second) in enumerate(pool.run(J.bulk_mismatched_then_refused, timeout=60)):
         assert "different call" in first[1] and "all_gather_into_tensor" in first[1], f"rank {rank}: {first}"
         assert "stopped" in second[1], f"rank {rank}: the next call was not refused: {second}"
+
+
+@pytest.mark.tdist_only
+@ws_param([3])
+def test_all_to_all_too_large_for_a_mailbox_raises_on_its_two_ranks_only(small_heap_pool, seed):
+    # 16K heap, 3 ranks: a mailbox holds 128 float32 elements
+    results = small_heap_pool.run(J.all_to_all_too_large_for_a_mailbox, seed, 400, timeout=120)
+    for rank, (first, right, second) in enumerate(results):
+        if rank in (0, 1):
+            assert "TDIST_HEAP_SIZE" in first and "all_to_all_single" in first and "400" in first, \
+                f"rank {rank}: {first}"
+        else:
+            assert first == "returned", f"rank {rank}: {first}"
+        assert right, f"rank {rank}: the rows of the pairs that fit are wrong"
+        assert second, f"rank {rank}: the next all_to_all_single was wrong"

@@ -69,22 +69,21 @@ STREAMED_STEP_BLOCKS = 1
 # collectives_NVIDIA_H200-x4-small-{1,2}.json, every size through tdist): broadcast dropped to
 # 0.80x-0.90x at 1 MB there; since the kernel signals every rank at once it did 0.99x at 1 MB in
 # CUDA graphs (1.48x eager) and 0.73x at 4 MB (collectives_NVIDIA_H200-x4-a2a-bcast.json), so it
-# is served up to 1 MB. The one-shot all-to-all (132 programs whatever the size when split sizes
-# are given: the grid must not depend on counts that may differ across ranks) is 0.36x-0.57x in
-# CUDA graphs (collectives_NVIDIA_H200-x4-a2a-bcast.json), so NCCL serves all_to_all_single but
-# for even ones, which tdist's kernels serve at every size (here and STREAMED_FROM_BYTES). all_reduce
-# did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
+# is served up to 1 MB. Even all_to_all_single is tdist's at every size (here and
+# STREAMED_FROM_BYTES). all_reduce did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
 # collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it above
-# 1 MB. All-to-alls whose split sizes are given (ranks may send different sizes, so no size test
-# agrees across ranks) go to NCCL too. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure tdist's
-# kernels at every size.
+# 1 MB. All-to-alls whose split sizes are given go to NCCL unless TDIST_UNEVEN_ALL_TO_ALL=1: the
+# one-shot kernel (132 programs whatever the counts, which may differ across ranks) did 1.07x-1.9x
+# of NCCL's speed for routed MoE dispatch (collectives_NVIDIA_H200-x4-uneven-a2a.json), but a
+# rank pair's share must fit a mailbox there, and since ranks' sizes differ no size test could
+# hand larger calls to NCCL on every rank alike. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure
+# tdist's kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
     "broadcast": 1 << 20, "all_to_all_single": 1 << 20,
 }
-GPU_UNEVEN_ALL_TO_ALL = False
 # the key of each op in BULK_FROM_BYTES and STREAMED_FROM_BYTES
 _FAMILY = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
            "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
@@ -244,6 +243,7 @@ class Executor:
         self._heap = None
         self._views = {}
         self._tables = {}
+        self._captured_tables = []  # (pinned values, device table) of tables made in CUDA graph captures
         self._stopped = None  # why this group can serve no more collectives
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
@@ -290,7 +290,15 @@ class Executor:
         # op -> (most bytes the one-shot kernels serve, bytes from which the bulk path does)
         self.gpu_size_limits = {op: (limit, _served_from(_FAMILY.get(op)))
                                 for op, limit in GPU_SIZE_LIMITS.items()} if limited else {}
-        self.gpu_uneven_all_to_all = GPU_UNEVEN_ALL_TO_ALL or not limited
+        uneven = os.environ.get("TDIST_UNEVEN_ALL_TO_ALL", "0")
+        if uneven not in ("0", "1"):  # (every rank must choose the same)
+            raise ValueError(f"tdist: TDIST_UNEVEN_ALL_TO_ALL={uneven!r}; expected 0 or 1")
+        self.gpu_uneven_all_to_all = uneven == "1" or not limited
+
+    @property
+    def mailbox_bytes(self) -> int:
+        """Bytes of a mailbox slot: the most one all-to-all with split sizes sends a rank."""
+        return self._slot_bytes
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -362,7 +370,14 @@ class Executor:
         """An int64 table (segments, a header) on the device; cached, so a repeated op costs no copy."""
         key = tuple(values)
         table = self._tables.get(key)
-        if table is None:
+        if table is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a copy the graph makes at each replay (a blocking one may not be captured), from
+            # pinned memory kept as long as the group
+            host = torch.tensor(values, dtype=torch.int64).pin_memory()
+            table = torch.empty(len(values), dtype=torch.int64, device=device)
+            table.copy_(host, non_blocking=True)
+            self._captured_tables.append((host, table))
+        elif table is None:
             if len(self._tables) >= 256:
                 self._tables.clear()
             table = torch.tensor(values, dtype=torch.int64, device=device)
@@ -599,17 +614,20 @@ class Executor:
                     ctypes.c_int64.from_address(first + 8 * (p * stride + position)).value)]
         return []
 
-    def _plan(self, src: torch.Tensor, dst: torch.Tensor):
+    def _plan(self, src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor | None = None):
         """The call's launch as C++ can replay it for the next call of this shape (see
         ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params, dependent
         launch)``, each param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
-        address and LAUNCH_ROLE_PTR + 1 the output's. None when the call was not one plain
-        launch on ``src`` and ``dst``."""
+        address, LAUNCH_ROLE_PTR + 1 the output's and LAUNCH_ROLE_PTR + 2 the all-to-all ``table``'s
+        (C++ writes each call's own). None when the call was not one plain launch on ``src``
+        and ``dst``."""
         if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
             return None
         (kernel, compiled, grid, args, meta), = self._launched
         self._launched = []
         roles = {"src": (src.data_ptr(), LAUNCH_ROLE_PTR), "dst": (dst.data_ptr(), LAUNCH_ROLE_PTR + 1)}
+        if table is not None:
+            roles["tables"] = (table.data_ptr(), LAUNCH_ROLE_PTR + 2)
 
         def bind(name, value):
             if name not in roles:
@@ -773,9 +791,9 @@ class Executor:
         rows_in, rows_out = max(input.shape[0], 1), max(output.shape[0], 1)
         row_in = input.numel() // rows_in if input.shape[0] else _row_numel(input)
         row_out = output.numel() // rows_out if output.shape[0] else _row_numel(output)
-        self._exchange("all_to_all_single", [output], [row_out * s for s in output_split_sizes],
-                       _flat(input), [row_in * s for s in input_split_sizes])
-        return self._plan(input, output)
+        table = self._exchange("all_to_all_single", [output], [row_out * s for s in output_split_sizes],
+                               _flat(input), [row_in * s for s in input_split_sizes])
+        return self._plan(input, output, table)
 
     def all_to_all(self, outputs, inputs):
         src = torch.cat([_flat(t) for t in inputs])
@@ -805,20 +823,30 @@ class Executor:
                           tables=self._table(tables, src.device), offsets=tables, rounds_left=left)
         out.finish()
 
-    def _exchange(self, op, targets, recv_counts, src, send_counts):
+    def _exchange(self, op, targets, recv_counts, src, send_counts) -> torch.Tensor:
+        """An all-to-all of the given counts (elements) through the one-shot kernel, which reads
+        them from a table (``oneshot.py``); returns the table."""
         self._begin(op, src)
         out = _Output(targets)
         capacity = self._slot_bytes // src.element_size()
-        if max(send_counts + recv_counts) > capacity:
-            raise ValueError(
-                f"tdist {op}: {max(send_counts + recv_counts)} elements between two ranks, but a "
-                f"mailbox holds {capacity} {str(src.dtype).replace('torch.', '')} elements; raise "
-                f"TDIST_HEAP_SIZE (or the backend option 'heap_size'); a slot is 1/(8 x world size) "
-                f"of the heap")
-        tables = _offsets(send_counts) + send_counts + _offsets(recv_counts) + recv_counts
-        self._oneshot(op, "all_to_all", src, out.flat, 0, tables=self._table(tables, src.device),
-                      offsets=tables)
+        # A pair too large for its mailbox moves nothing, and both of its ranks raise after the
+        # launch: the group's other ranks cannot know, and must not wait for them in vain.
+        sent = [0 if c > capacity else c for c in send_counts]
+        received = [0 if c > capacity else c for c in recv_counts]
+        tables = _offsets(send_counts) + sent + _offsets(recv_counts) + received
+        table = self._table(tables, src.device)
+        self._oneshot(op, "all_to_all", src, out.flat, 0, tables=table, offsets=tables)
         out.finish()
+        if sent != send_counts or received != recv_counts:
+            too_large = {r for r, c in enumerate(send_counts) if c > capacity}
+            too_large |= {r for r, c in enumerate(recv_counts) if c > capacity}
+            raise ValueError(
+                f"tdist {op}: {max(send_counts + recv_counts)} elements between rank {self.rank} and "
+                f"rank(s) {', '.join(map(str, sorted(too_large)))}, but a mailbox holds {capacity} "
+                f"{str(src.dtype).replace('torch.', '')} elements, so nothing moved between them (the "
+                f"other ranks' shares did); raise TDIST_HEAP_SIZE (or the backend option 'heap_size'): "
+                f"a mailbox is 1/(8 x world size) of the heap")
+        return table
 
     def broadcast(self, tensor, src):
         self._begin("broadcast", tensor)
