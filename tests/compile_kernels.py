@@ -54,7 +54,7 @@ def _oneshot_specialisations():
 
 
 def _streamed_specialisations():
-    """The streamed kernel in each mode (3 ranks: a masked signal lane)."""
+    """The streamed kernel in each mode (3 ranks: a masked signal lane), and the one for split sizes."""
     for world in (2, 3, 4):
         for mode, dt, op in (("all_gather", "bf16", "sum"), ("all_to_all", "bf16", "sum"),
                              ("reduce_scatter", "bf16", "sum"),
@@ -65,6 +65,12 @@ def _streamed_specialisations():
             yield streamed.streamed_kernel, signature, {
                 "MODE": mode, "WORLD": world, "BLOCK": 8192, "STEP": 1, "OP": op, "ACC": ACC[dt],
                 "ALIGN": 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt], "MAXP": 132,
+                "LANES": 1 << (world - 1).bit_length()}
+        types = {**ONESHOT_SIGNATURE, "STEP": "constexpr"}
+        for align in (1, 8):
+            signature = {k: types[k].format(dt="bf16") for k in streamed.streamed_all_to_all_v_kernel.arg_names}
+            yield streamed.streamed_all_to_all_v_kernel, signature, {
+                "WORLD": world, "BLOCK": 8192, "STEP": 1, "ALIGN": align, "MAXP": 132,
                 "LANES": 1 << (world - 1).bit_length()}
 
 

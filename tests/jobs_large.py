@@ -85,6 +85,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     exchanged = torch.full((ws * n,), float("nan"), dtype=dtype)
     dist.all_to_all_single(exchanged, wide[rank])
     assert torch.equal(exchanged, torch.cat([w.view(ws, n)[rank] for w in wide])), "all_to_all_single: wrong result"
+    _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed=algorithm == "streamed")
 
     stacked = torch.stack([w.float() for w in wide])
     for name, want in (("SUM", stacked.sum(0)), ("AVG", stacked.mean(0)), ("MAX", stacked.amax(0)),
@@ -114,6 +115,33 @@ def large_messages(rank, ws, n, dtype_name, seed):
         missing = {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
                    "all_reduce", "all_to_all_single"} - set(served)
         assert not missing, f"not served by the {algorithm} kernel: {missing}"
+
+
+def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
+    """An all_to_all_single with split sizes (one pair empty, the others up to a third of a
+    mailbox), against the pieces cut by hand; with ``streamed``, checks that the streamed kernel
+    for split sizes served it."""
+    rank = dist.get_rank()
+    unit = max(1, min(n // (3 * ws), executor.mailbox_bytes // torch.tensor([], dtype=dtype).element_size() // 3))
+
+    def count(src, dst):
+        return 0 if (src, dst) == (0, ws - 1) else ((src + 2 * dst) % 3 + 1) * unit
+
+    xs = [torch.randn(sum(count(r, d) for d in range(ws)), generator=torch.Generator().manual_seed(seed * 13 + r)).to(dtype)
+          for r in range(ws)]
+    want = torch.cat([xs[r][sum(count(r, d) for d in range(rank)):][:count(r, rank)] for r in range(ws)])
+    got = torch.full_like(want, float("nan"))
+    calls = []
+    if streamed:
+        launch = executor._streamed_v
+        executor._streamed_v = lambda *args, **kwargs: (calls.append(args[0]), launch(*args, **kwargs))
+    try:
+        dist.all_to_all_single(got, xs[rank], [count(r, rank) for r in range(ws)], [count(rank, d) for d in range(ws)])
+    finally:
+        if streamed:
+            executor._streamed_v = launch
+    assert torch.equal(got, want), "all_to_all_single with split sizes: wrong result"
+    assert calls or not streamed, "all_to_all_single with split sizes: not served by the streamed kernel"
 
 
 def _broadcast_checked(xs, root):

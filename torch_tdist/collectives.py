@@ -74,8 +74,9 @@ STREAMED_STEP_BLOCKS = 1
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
 # collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it above
 # 1 MB. All-to-alls whose split sizes are given go to NCCL unless TDIST_UNEVEN_ALL_TO_ALL=1: the
-# one-shot kernel (132 programs whatever the counts, which may differ across ranks) did 1.07x-1.9x
-# of NCCL's speed for routed MoE dispatch (collectives_NVIDIA_H200-x4-uneven-a2a.json), but a
+# streamed kernel for them (132 programs whatever the counts, which may differ across ranks) did
+# 1.07x-1.93x of NCCL's speed for routed MoE dispatch of 0.1 to 235 MB a rank
+# (collectives_NVIDIA_H200-x4-uneven-a2a.json, the one-shot kernel beside it), but a
 # rank pair's share must fit a mailbox there, and since ranks' sizes differ no size test could
 # hand larger calls to NCCL on every rank alike. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure
 # tdist's kernels at every size.
@@ -119,10 +120,13 @@ BULK_FROM_BYTES = {
 # (ONESHOT_MIN_TILE_BYTES) it beats it on those from 256 KB to 1 MB (5.7-8.0 against 7.3-8.2 us
 # in CUDA graphs; smaller ones go to the low-latency kernel). Between one-shot's limit
 # (GPU_SIZE_LIMITS) and these sizes, NCCL serves.
+# All-to-alls with split sizes ("all_to_all_v") take one kernel whatever their sizes (ranks'
+# sizes differ, so no size test agrees across ranks): on GPUs the streamed one, 0 bytes up.
 STREAMED_FROM_BYTES = {
-    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None},
+    "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None,
+            "all_to_all_v": None},
     "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (1 << 20) + 1,
-             "all_to_all": (1 << 20) + 1},
+             "all_to_all": (1 << 20) + 1, "all_to_all_v": 0},
 }
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
 # The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
@@ -138,8 +142,10 @@ LOWLATENCY_UP_TO_BYTES = {
     "cpu": {},
     "cuda": {"all_gather": 64 << 10, "all_reduce": 64 << 10, "all_to_all": 16 << 10},
 }
-LOWLATENCY_SLOT_WORDS = 4096 if language.INTERPRET else 16384
-LOWLATENCY_BLOCK = 4096 if language.INTERPRET else 256
+# (the interpreter: one program, whose tl.reduce calls its combine function per element, so a
+# block of 4096 words took a 4-rank test 3 minutes)
+LOWLATENCY_SLOT_WORDS = 512 if language.INTERPRET else 16384
+LOWLATENCY_BLOCK = 512 if language.INTERPRET else 256
 _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                        torch.int32: tl.int32}
 # (every launch of these kernels counts its epoch in a slot per program)
@@ -490,6 +496,18 @@ class Executor:
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
         self._check_status(op, dtype, n, self._call_status)
 
+    def _streamed_v(self, op: str, src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, offsets):
+        """One launch of ``streamed_all_to_all_v_kernel``: the rank pairs' offsets and counts
+        (``offsets``, elements) in ``table``; the same grid on every rank."""
+        dtype = dst.dtype
+        self._launch(op, streamed.streamed_all_to_all_v_kernel, (ONESHOT_PROGRAMS,),
+                     self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
+                     self._streamed_flags, self._words, self._counter, _call_word(op, dtype), table,
+                     WORLD=self.world_size, BLOCK=STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize,
+                     STEP=self.streamed_step_blocks, ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
+                     MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
+        self._check_status(op, dtype, NO_COUNT, self._call_status)
+
     def _suits_lowlatency(self, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int, stride: int = 0) -> bool:
         """Whether the low-latency kernel serves a call of ``n`` elements per rank pair (see
         ``_lowlatency``)."""
@@ -835,7 +853,10 @@ class Executor:
         received = [0 if c > capacity else c for c in recv_counts]
         tables = _offsets(send_counts) + sent + _offsets(recv_counts) + received
         table = self._table(tables, src.device)
-        self._oneshot(op, "all_to_all", src, out.flat, 0, tables=table, offsets=tables)
+        if self._takes("streamed", "all_to_all_v", 0):
+            self._streamed_v(op, src, out.flat, table, offsets=tables)
+        else:
+            self._oneshot(op, "all_to_all", src, out.flat, 0, tables=table, offsets=tables)
         out.finish()
         if sent != send_counts or received != recv_counts:
             too_large = {r for r, c in enumerate(send_counts) if c > capacity}

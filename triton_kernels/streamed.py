@@ -38,6 +38,12 @@ MAX_STEPS = tl.constexpr(1 << 24)  # more steps than any launch takes (a flag's 
 
 
 @tdl.jit
+def _blocks(count, pid, nprog, BLOCK: tl.constexpr):
+    """How many of ``count`` elements' blocks are program ``pid``'s (``pid, pid + nprog, ...``)."""
+    return tl.maximum((count - pid * BLOCK + nprog * BLOCK - 1) // (nprog * BLOCK), 0)
+
+
+@tdl.jit
 def _share(d, n, stride, part, MODE: tl.constexpr):
     """(offset in the input, elements) of rank ``d``'s share: all_gather the whole input,
     reduce_scatter and all-to-all the ``n`` elements ``stride`` apart, all_reduce ``[d * part,
@@ -83,7 +89,7 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
     own = tl.multiple_of(own, ALIGN)
     # this program's blocks of a share: pid, pid + nprog, ...; STEP of them per iteration
     longest = part if MODE == "all_reduce" else n
-    blocks = tl.maximum((longest - pid * BLOCK + nprog * BLOCK - 1) // (nprog * BLOCK), 0)
+    blocks = _blocks(longest, pid, nprog, BLOCK)
     steps = tl.maximum((blocks + STEP - 1) // STEP, 1)
     iterations = steps + 2 if MODE == "all_reduce" else steps + 1
     lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
@@ -149,5 +155,69 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
         if k < iterations - 1:
             tl.debug_barrier()  # every thread's pushes before the releases
             tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live)
+
+    end_call(counter, epoch)
+
+
+@tdl.jit
+def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, flags, words, counter, call_word, tables,
+                                 WORLD: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
+                                 ALIGN: tl.constexpr, MAXP: tl.constexpr, LANES: tl.constexpr):
+    """An all-to-all whose counts may differ between rank pairs (split sizes), streamed as above:
+    ``tables`` = send offsets[WORLD] | send counts | recv offsets | recv counts (elements, the
+    one-shot kernel's layout). Ranks' counts differ, so the grid may not follow them (every rank
+    launches the same), and neither may the iterations: a program takes as many as its largest
+    share needs, waits in iteration ``k >= 2`` only on the ranks that still send it step ``k - 1``
+    and signals only the ranks it still sends to, which both ends of a pair work out from the
+    count they share. Iteration 1 waits on every rank (the call words, and the mailbox parity
+    rule). Every share fits a mailbox slot (``cap`` elements)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    me = tdl.rank(ctx)
+    epoch, parity = start_call(counter)
+    base = epoch * MAX_STEPS
+    lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
+    sent = tl.load(tables + WORLD + to_rank, mask=live, other=0)
+    expected = tl.load(tables + 3 * WORLD + from_rank, mask=live, other=0)
+    send_steps = (_blocks(sent, pid, nprog, BLOCK) + STEP - 1) // STEP
+    recv_steps = tl.where(from_rank == me, 0, (_blocks(expected, pid, nprog, BLOCK) + STEP - 1) // STEP)
+    steps = tl.maximum(tl.maximum(tdl.largest(tl.where(live, send_steps, 0)),
+                                  tdl.largest(tl.where(live, recv_steps, 0))), 1)
+    # this rank's own share: straight from the input (the shorter count if the two disagree)
+    own_count = tl.minimum(tl.load(tables + WORLD + me), tl.load(tables + 3 * WORLD + me))
+    own_src = src + tl.multiple_of(tl.load(tables + me), ALIGN)
+    own_dst = dst + tl.multiple_of(tl.load(tables + 2 * WORLD + me), ALIGN)
+    own_blocks = _blocks(own_count, pid, nprog, BLOCK)
+    status = pid * 0
+
+    for k in range(0, steps + 1):
+        if k < steps:
+            for i in tl.static_range(1, WORLD):
+                d = (me + i) % WORLD
+                count = tl.multiple_of(tl.load(tables + WORLD + d), ALIGN)
+                remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
+                _copy_blocks(remote, src + tl.multiple_of(tl.load(tables + d), ALIGN), count, k * STEP,
+                             tl.minimum(k * STEP + STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, BLOCK)
+            _copy_blocks(own_dst, own_src, own_count, k * STEP, tl.minimum(k * STEP + STEP, own_blocks),
+                         pid, nprog, BLOCK)
+        if k == 0:
+            tl.debug_barrier()
+            send_call_words(ctx, words, parity, me, pid, call_word, sent, to_rank, live, WORLD, MAXP)
+        if k >= 1:
+            waiting = live & (lanes * 0 == status) & ((k == 1) | (k <= recv_steps))
+            tdl.wait_all(ctx, flags + from_rank * MAXP + pid, base + k, waiting)
+            if k == 1:
+                status = call_words_differ(words, counter, parity, pid, call_word, expected, from_rank, live,
+                                           WORLD, MAXP)
+            if status == 0:
+                for i in tl.static_range(1, WORLD):
+                    s = (me + i) % WORLD
+                    count = tl.multiple_of(tl.load(tables + 3 * WORLD + s), ALIGN)
+                    _copy_blocks(dst + tl.multiple_of(tl.load(tables + 2 * WORLD + s), ALIGN),
+                                 box + (parity * WORLD + s) * cap, count, k * STEP - STEP,
+                                 tl.minimum(k * STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, BLOCK)
+        if k < steps:
+            tl.debug_barrier()  # every thread's pushes before the releases
+            tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live & ((k == 0) | (k < send_steps)))
 
     end_call(counter, epoch)
