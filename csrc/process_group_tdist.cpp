@@ -873,8 +873,8 @@ ProcessGroupTDist::Route ProcessGroupTDist::limitBySize(
   if (route == Route::Fallback || t.is_cpu()) {
     return route;
   }
-  if (!sameSizeOnEveryRank && !gpuUnevenAllToAll_) {
-    return Route::Fallback;
+  if (!sameSizeOnEveryRank) { // no size test agrees across ranks
+    return gpuUnevenAllToAll_ ? route : Route::Fallback;
   }
   int64_t limit = gpuMaxBytes_[static_cast<int>(op)];
   int64_t servedFrom = gpuServedFrom_[static_cast<int>(op)];
@@ -1540,7 +1540,14 @@ WorkPtr ProcessGroupTDist::alltoall_base(
         std::vector<int64_t>{},
         std::vector<int64_t>{});
   } else {
-    executeUneven(input, output, inSplits, outSplits);
+    try {
+      executeUneven(input, output, inSplits, outSplits);
+    } catch (...) {
+      // a rank pair too large for a mailbox raises after the launch: later calls still wait
+      // for that kernel, and the watchdog watches it
+      finishWork(work, op);
+      throw;
+    }
   }
   return finishWork(work, op);
 }

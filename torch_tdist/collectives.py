@@ -249,7 +249,7 @@ class Executor:
         self._heap = None
         self._views = {}
         self._tables = {}
-        self._captured_tables = []  # (pinned values, device table) of tables made in CUDA graph captures
+        self._captured_tables = []  # (pinned values or None, device table): tables CUDA graphs use
         self._stopped = None  # why this group can serve no more collectives
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
@@ -376,7 +376,10 @@ class Executor:
         """An int64 table (segments, a header) on the device; cached, so a repeated op costs no copy."""
         key = tuple(values)
         table = self._tables.get(key)
-        if table is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and table is not None:
+            self._captured_tables.append((None, table))  # the cache may drop it before the graph's last replay
+        elif capturing:
             # a copy the graph makes at each replay (a blocking one may not be captured), from
             # pinned memory kept as long as the group
             host = torch.tensor(values, dtype=torch.int64).pin_memory()
@@ -842,8 +845,8 @@ class Executor:
         out.finish()
 
     def _exchange(self, op, targets, recv_counts, src, send_counts) -> torch.Tensor:
-        """An all-to-all of the given counts (elements) through the one-shot kernel, which reads
-        them from a table (``oneshot.py``); returns the table."""
+        """An all-to-all of the given counts (elements) through a kernel that reads them from a
+        table (the streamed one for split sizes, or the one-shot one); returns the table."""
         self._begin(op, src)
         out = _Output(targets)
         capacity = self._slot_bytes // src.element_size()
