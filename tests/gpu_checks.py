@@ -139,8 +139,10 @@ def uneven_all_to_all(tg, rank, world, device, gen):
     """all_to_all_single with split sizes through tdist's kernel (TDIST_UNEVEN_ALL_TO_ALL=1; by
     default NCCL serves it): uneven splits with empty pairs, a rank that sends nothing, even
     splits given explicitly, rows whose offsets break 16-byte accesses (fp32 rows of 7), each
-    kind twice or more, so later calls replay the launch plan with a table C++ wrote; then a
-    CUDA graph of an uneven call whose splits no call had before, replayed on fresh inputs."""
+    kind twice or more, so later calls replay the launch plan with a table C++ wrote; four
+    replays back to back with their own splits, every other one async; then a CUDA graph of an
+    uneven call whose splits no call had before, replayed on fresh inputs; then a rank pair too
+    large for its mailbox."""
     kg = _tdist_group({"TDIST_UNEVEN_ALL_TO_ALL": "1"})
     calls = 0
 
@@ -170,9 +172,27 @@ def uneven_all_to_all(tg, rank, world, device, gen):
             calls += 1
         calls += 1
 
+    # replays back to back, each with its own splits and no host synchronisation between them,
+    # every other one async_op=True (on the group's stream), then each against NCCL
+    row = 512
+    pending = []
+    for trial in range(4):
+        splits = torch.randint(0, 60, (world, world), generator=torch.Generator().manual_seed(300 + trial))
+        x = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+        out = torch.full((int(splits[:, rank].sum()), row), 7, dtype=x.dtype, device=device)
+        work = dist.all_to_all_single(out, x, splits[:, rank].tolist(), splits[rank].tolist(), group=kg,
+                                      async_op=bool(trial % 2))
+        pending.append((splits, x, out, work))
+        calls += 1
+    for trial, (splits, x, out, work) in enumerate(pending):
+        if work is not None:
+            work.wait()
+        want = torch.empty_like(out)
+        dist.all_to_all_single(want, x, splits[:, rank].tolist(), splits[rank].tolist())
+        _check(f"all_to_all_single uneven, back to back #{trial}", out, want)
+
     g = torch.Generator().manual_seed(200)
     splits = torch.randint(1, 50, (world, world), generator=g)
-    row = 512
     static_in = torch.zeros(int(splits[rank].sum()), row, device=device, dtype=torch.bfloat16)
     static_out = torch.zeros(int(splits[:, rank].sum()), row, device=device, dtype=torch.bfloat16)
     graph = _captured(lambda: dist.all_to_all_single(static_out, static_in, splits[:, rank].tolist(),
