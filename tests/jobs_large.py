@@ -122,7 +122,7 @@ def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
     mailbox), against the pieces cut by hand; with ``streamed``, checks that the streamed kernel
     for split sizes served it."""
     rank = dist.get_rank()
-    unit = max(1, min(n // (3 * ws), executor.mailbox_bytes // torch.tensor([], dtype=dtype).element_size() // 3))
+    unit = max(1, min(n // (3 * ws), executor.mailbox_bytes // dtype.itemsize // 3))
 
     def count(src, dst):
         return 0 if (src, dst) == (0, ws - 1) else ((src + 2 * dst) % 3 + 1) * unit
