@@ -242,6 +242,7 @@ def main():
                       f"issued right behind another (which lines the ranks up; median of 5, median round)" if args.graph else ""), rows,
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
+                     heap_size=os.environ.get("TDIST_HEAP_SIZE", "the default"),
                      host_overhead_us=overhead, async_op=args.async_op)
     dist.destroy_process_group()
 

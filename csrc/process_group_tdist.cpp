@@ -1012,10 +1012,10 @@ void ProcessGroupTDist::executeUneven(
     c10::Stream stream = impl.getStream(input.device());
     std::lock_guard<std::mutex> lock(plansMutex_);
     auto it = plans_.find(key);
-    // (a capture may not copy from pageable memory, and a call too large for the mailboxes
+    // (a capture may not copy from pageable memory, and a share too large for the mailboxes
     // gets the executor's error)
     if (it != plans_.end() && captureId(stream) == 0 &&
-        most * input.element_size() <= mailboxBytes_) {
+        most <= unevenShareLimit_) {
       if (!unevenTable_.defined() || unevenTable_.device() != input.device()) {
         unevenTable_ = at::empty(
             {4 * size_}, at::TensorOptions().dtype(at::kLong).device(input.device()));
@@ -1033,13 +1033,13 @@ void ProcessGroupTDist::executeUneven(
   }
   auto plan = execute(op, "all_to_all_single", output, input, outSplits, inSplits);
   if (plan && gpu) {
-    int64_t mailbox = 0;
+    int64_t limit = 0;
     {
       py::gil_scoped_acquire gil;
-      mailbox = executor_.get().attr("mailbox_bytes").cast<int64_t>();
+      limit = executor_.get().attr("uneven_share_limit")(input).cast<int64_t>();
     }
     std::lock_guard<std::mutex> lock(plansMutex_);
-    mailboxBytes_ = mailbox;
+    unevenShareLimit_ = limit;
     plans_.emplace(key, std::move(*plan));
   }
 }

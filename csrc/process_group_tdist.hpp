@@ -402,7 +402,7 @@ class ProcessGroupTDist : public c10d::Backend {
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;
   at::Tensor unevenTable_; // the replayed uneven all-to-all's table
-  int64_t mailboxBytes_ = 0; // the most it may send a rank (known with a plan)
+  int64_t unevenShareLimit_ = 0; // the most elements it may send a rank (known with a plan)
 
   std::array<std::atomic<uint64_t>, kNumOps> tdistCount_{};
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};

@@ -2,9 +2,11 @@
 
     TDIST_INTERPRET=0 python -m tests.compile_kernels [sm]
 
-Prints one line per compiled specialisation; exits non-zero on the first failure.
+Compiles the specialisations in a process per core; prints a summary; exits non-zero on the
+first failure.
 """
 
+import multiprocessing
 import os
 import sys
 
@@ -66,7 +68,7 @@ def _streamed_specialisations():
                 "MODE": mode, "WORLD": world, "BLOCK": 8192, "STEP": 1, "OP": op, "ACC": ACC[dt],
                 "ALIGN": 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt], "MAXP": 132,
                 "LANES": 1 << (world - 1).bit_length()}
-        types = {**ONESHOT_SIGNATURE, "STEP": "constexpr"}
+        types = {**ONESHOT_SIGNATURE, "STEP": "constexpr", "ring": "i64", "acks": "*i64"}
         for align in (1, 8):
             signature = {k: types[k].format(dt="bf16") for k in streamed.streamed_all_to_all_v_kernel.arg_names}
             yield streamed.streamed_all_to_all_v_kernel, signature, {
@@ -252,15 +254,26 @@ def compile_nvshmem_kernels(target, arch: int) -> str:
     return f"{count} NVSHMEM kernels compiled against {os.path.basename(library)}"
 
 
-def main(arch: int = 90) -> int:
-    assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
+def _compile_share(arch: int, share: int, shares: int) -> int:
+    """Compiles every ``shares``-th specialisation from the ``share``-th; returns how many."""
     target = GPUTarget("cuda", arch, 32)
     count = 0
-    for kernel, signature, constexprs, *options in specialisations():
+    for i, (kernel, signature, constexprs, *options) in enumerate(specialisations()):
+        if i % shares != share:
+            continue
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
                                   options=options[0] if options else None)
         assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
         count += 1
+    return count
+
+
+def main(arch: int = 90) -> int:
+    assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
+    target = GPUTarget("cuda", arch, 32)
+    shares = os.cpu_count() or 1  # (a cold compile takes minutes on one core)
+    with multiprocessing.get_context("fork").Pool(shares) as pool:
+        count = sum(pool.starmap(_compile_share, [(arch, share, shares) for share in range(shares)]))
     check_wide_accesses(target)
     print(f"compiled {count} kernel specialisations for sm_{arch}; data loops use 16-byte accesses; "
           f"{compile_nvshmem_kernels(target, arch)}")

@@ -239,6 +239,79 @@ def uneven_all_to_all(tg, rank, world, device, gen):
     a2a_pair(small, splits, 512, torch.bfloat16, "after a call too large for a mailbox")
 
 
+def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
+    """all_to_all_single with split sizes whose shares are larger than a mailbox slot, which the
+    streamed kernel moves in turns (the default: TDIST_UNEVEN_ALL_TO_ALL unset): on the default
+    heap (32 MB slots with 4 ranks) and on a 256M one (a ring of 3 blocks per program and slot
+    with 4 ranks, so turns come every third step), twice each (the second replays C++'s plan),
+    one async; a CUDA graph of such a call replayed on fresh inputs; then a call whose splits
+    rank 1 gets wrong (it expects fewer rows from rank 0 than rank 0 sends): no rank waits in
+    vain, the group goes on, and with TDIST_CHECK_CALLS=1 rank 1 raises."""
+    row = 7168
+
+    def splits_for(seed, most_rows):
+        splits = torch.randint(0, most_rows, (world, world), generator=torch.Generator().manual_seed(seed))
+        splits[0, 1] = most_rows  # at least one share larger than a slot
+        splits[world - 1, 0] = 0
+        return splits
+
+    def a2a(group, splits, x, recv=None, async_op=False):
+        recv = splits[:, rank].tolist() if recv is None else recv
+        out = torch.full((sum(recv), row), 7, dtype=x.dtype, device=device)
+        work = dist.all_to_all_single(out, x, recv, splits[rank].tolist(), group=group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        return out
+
+    for label, env in (("default heap", {}), ("256M heap", {"TDIST_HEAP_SIZE": "256M"})):
+        group = _tdist_group(env)
+        dist.all_reduce(torch.ones(1, device=device), group=group)  # (the heap comes with a first call)
+        slot_rows = torch_tdist.get_executor(group).mailbox_bytes // 2 // row
+        for trial in range(3):
+            splits = splits_for(400 + trial, 2 * slot_rows + 5)
+            x = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+            _check(f"all_to_all_single in turns, {label} #{trial}", a2a(group, splits, x, async_op=trial == 1),
+                   a2a(None, splits, x))
+        served = torch_tdist.stats(group)["all_to_all_single"]
+        global _checked
+        _checked += 1
+        if served["tdist"] != 3 or served["fallback"]:
+            _failures.append(f"all_to_all_single in turns, {label}: 3 calls, but stats {served}")
+
+    splits = splits_for(500, 2 * slot_rows + 5)  # (the 256M group's)
+    static_in = torch.zeros(int(splits[rank].sum()), row, device=device, dtype=torch.bfloat16)
+    static_out = torch.zeros(int(splits[:, rank].sum()), row, device=device, dtype=torch.bfloat16)
+    graph = _captured(lambda: dist.all_to_all_single(static_out, static_in, splits[:, rank].tolist(),
+                                                     splits[rank].tolist(), group=group), warmups=0)
+    for replay in range(2):
+        x = torch.randn(static_in.shape, device=device, generator=gen).to(torch.bfloat16)
+        static_in.copy_(x)
+        static_out.fill_(7)
+        graph.replay()
+        _check(f"all_to_all_single in turns, captured #{replay}", static_out, a2a(None, splits, x))
+
+    # wrong splits: on the group above (C++ replays, which raise nothing on GPUs), and on one with
+    # TDIST_CHECK_CALLS=1, where rank 1 raises
+    checked = _tdist_group({"TDIST_HEAP_SIZE": "256M", "TDIST_CHECK_CALLS": "1"})
+    for grp, label in ((group, "replayed"), (checked, "TDIST_CHECK_CALLS=1")):
+        x = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+        recv = splits[:, rank].tolist()
+        if rank == 1:
+            recv[0] -= slot_rows
+        try:
+            a2a(grp, splits, x, recv=recv)
+            raised = ""
+        except ValueError as err:
+            raised = str(err)
+        _checked += 1
+        if (rank == 1 and grp is checked) != ("different call" in raised):
+            _failures.append(f"all_to_all_single in turns with splits rank 1 got wrong, {label}: rank {rank} "
+                             f"raised {raised!r}")
+        x = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
+        _check(f"all_to_all_single in turns, after a call with wrong splits, {label}", a2a(grp, splits, x),
+               a2a(None, splits, x))
+
+
 def subgroups(tg, rank, world, device, gen):
     if world < 4:
         return
@@ -909,7 +982,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
-CHECKS = [every_op, uneven_all_to_all, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
+CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
           streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,

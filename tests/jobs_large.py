@@ -144,6 +144,51 @@ def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
     assert calls or not streamed, "all_to_all_single with split sizes: not served by the streamed kernel"
 
 
+def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
+    """An all_to_all_single with split sizes whose shares are 1-3 mailbox slots and a bit (one
+    pair empty), through the streamed kernel (TDIST_ALGORITHM=streamed), which moves them in
+    turns; then one whose splits rank 1 gets wrong (it expects fewer rows from rank 0 than rank 0
+    sends, both more than a slot); then the first again. Returns (the second call's error or
+    "returned", whether the first and third were right and served by the streamed kernel)."""
+    import torch_tdist
+
+    dtype = getattr(torch, dtype_name)
+    executor = torch_tdist.get_executor()
+    dist.all_reduce(torch.ones(1))  # (the heap, and with it the mailboxes, comes with a first call)
+    slot = executor.mailbox_bytes // dtype.itemsize
+
+    def count(src, dst):
+        return 0 if (src, dst) == (ws - 1, 0) else ((src + dst) % 3 + 1) * slot + 37 * src + 5 * dst
+
+    def data(src, tag):
+        g = torch.Generator().manual_seed(seed * 11 + src * 5 + tag)
+        return torch.randn(sum(count(src, d) for d in range(ws)), generator=g).to(dtype)
+
+    served = []
+    launch = executor._streamed_v
+    executor._streamed_v = lambda *args, **kwargs: (served.append(args[0]), launch(*args, **kwargs))
+
+    def exchange(tag, expected_from_0):
+        want = torch.cat([data(s, tag)[sum(count(s, d) for d in range(rank)):][:count(s, rank)] for s in range(ws)])
+        got = torch.full((sum(expected_from_0 if s == 0 and rank == 1 else count(s, rank) for s in range(ws)),),
+                         float("nan"), dtype=dtype)
+        recv = [expected_from_0 if s == 0 and rank == 1 else count(s, rank) for s in range(ws)]
+        dist.all_to_all_single(got, data(rank, tag), recv, [count(rank, d) for d in range(ws)])
+        return torch.equal(got, want)
+
+    try:
+        first = exchange(0, count(0, 1))
+        try:
+            exchange(1, count(0, 1) - slot)
+            second = "returned"
+        except ValueError as err:
+            second = str(err)
+        third = exchange(2, count(0, 1))
+    finally:
+        executor._streamed_v = launch
+    return second, first and third and len(served) == 3
+
+
 def _broadcast_checked(xs, root):
     """A one-shot broadcast between other calls (they share mailboxes, call words and epoch)."""
     got = xs[dist.get_rank()].clone()

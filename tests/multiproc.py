@@ -32,7 +32,8 @@ set of processes.  After a job in which some ranks raised and others did not,
 the group may be out of step, so the pool is restarted as well; after a job in
 which every rank raised, a quick health check (all_reduce) decides.
 
-Each rank's stdout/stderr go to a log file; failures quote its tail.
+Each rank's stdout/stderr go to a log file; failures quote its tail (TDIST_TEST_KEEP_LOGS=1 keeps
+the files, under the temporary directory, for a look at a kernel's prints).
 """
 
 from __future__ import annotations
@@ -456,7 +457,7 @@ class RankPool:
                 conn.close()
             except OSError:
                 pass
-        for p in gen.log_paths:
+        for p in ([] if os.environ.get("TDIST_TEST_KEEP_LOGS") else gen.log_paths):
             try:
                 os.unlink(p)
             except OSError:

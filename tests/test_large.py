@@ -83,6 +83,17 @@ def test_lowlatency_kernel(lowlatency_pool, n, dtype, seed):
 
 
 @pytest.mark.tdist_only
+@ws_param([2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_all_to_all_with_split_sizes_larger_than_a_mailbox_goes_in_turns(streamed_pool, seed, dtype):
+    for rank, (second, right) in enumerate(streamed_pool.run(J.uneven_all_to_all_in_turns, seed, dtype,
+                                                             timeout=120)):
+        assert right, f"rank {rank}: shares of 1-3 mailboxes and a bit: wrong, or not streamed"
+        if rank == 1:  # the receiver whose splits were wrong
+            assert "different call" in second and "all_to_all_single" in second, f"rank {rank}: {second}"
+
+
+@pytest.mark.tdist_only
 @ws_param([2, 3])
 @pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: one round against two or three
 def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed, n0, n):

@@ -61,6 +61,12 @@ SIGNALLING_META = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS,
 STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: STREAMED_BLOCK_BYTES
 STREAMED_BLOCK_BYTES = 16384
 STREAMED_STEP_BLOCKS = 1
+NO_TURNS = 1 << 30  # a ring larger than any share's blocks: no turns (and no acks)
+NO_SHARE_LIMIT = 1 << 62
+
+
+def _streamed_block(dtype: torch.dtype) -> int:
+    return STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
@@ -73,13 +79,12 @@ STREAMED_STEP_BLOCKS = 1
 # STREAMED_FROM_BYTES). all_reduce did 0.80x-0.90x at 1 MB there too, before the kernel signalled every rank at once; since then
 # it did 1.07x-1.26x of NCCL's speed from 512 KB to 1 MB in CUDA graphs (no host time,
 # collectives_NVIDIA_H200-x4-all-reduce-512k-1m.json), and the streamed kernel serves it above
-# 1 MB. All-to-alls whose split sizes are given go to NCCL unless TDIST_UNEVEN_ALL_TO_ALL=1: the
-# streamed kernel for them (132 programs whatever the counts, which may differ across ranks) did
-# 1.07x-1.93x of NCCL's speed for routed MoE dispatch of 0.1 to 235 MB a rank
-# (collectives_NVIDIA_H200-x4-uneven-a2a.json, the one-shot kernel beside it), but a
-# rank pair's share must fit a mailbox there, and since ranks' sizes differ no size test could
-# hand larger calls to NCCL on every rank alike. TDIST_GPU_SIZE_LIMITS=0 lifts both, to measure
-# tdist's kernels at every size.
+# 1 MB. All-to-alls whose split sizes are given are tdist's at every size (TDIST_UNEVEN_ALL_TO_ALL=0
+# hands them to NCCL; since ranks' sizes differ no size test could do it on every rank alike):
+# the streamed kernel for them (132 programs whatever the counts; shares larger than a mailbox
+# in turns) did 1.04x-1.87x of NCCL's speed eager, 0.95x-1.31x in CUDA graphs, for routed MoE
+# dispatch of 0.1 to 470 MB a rank (collectives_NVIDIA_H200-x4-uneven-a2a.json).
+# TDIST_GPU_SIZE_LIMITS=0 lifts the limits, to measure tdist's kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
@@ -296,15 +301,36 @@ class Executor:
         # op -> (most bytes the one-shot kernels serve, bytes from which the bulk path does)
         self.gpu_size_limits = {op: (limit, _served_from(_FAMILY.get(op)))
                                 for op, limit in GPU_SIZE_LIMITS.items()} if limited else {}
-        uneven = os.environ.get("TDIST_UNEVEN_ALL_TO_ALL", "0")
+        uneven = os.environ.get("TDIST_UNEVEN_ALL_TO_ALL", "1")
         if uneven not in ("0", "1"):  # (every rank must choose the same)
             raise ValueError(f"tdist: TDIST_UNEVEN_ALL_TO_ALL={uneven!r}; expected 0 or 1")
         self.gpu_uneven_all_to_all = uneven == "1" or not limited
 
     @property
     def mailbox_bytes(self) -> int:
-        """Bytes of a mailbox slot: the most one all-to-all with split sizes sends a rank."""
+        """Bytes of a mailbox slot: what one rank may send another in one turn."""
         return self._slot_bytes
+
+    def _ring_blocks(self, dtype: torch.dtype) -> int:
+        """Blocks of each program's ring in a mailbox slot (streamed_all_to_all_v_kernel)."""
+        return self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _streamed_block(dtype))
+
+    def _turns_hint(self, dtype: torch.dtype) -> str:
+        if not self._takes("streamed", "all_to_all_v", 0):
+            return ""
+        slot = 2 * self.streamed_step_blocks * ONESHOT_PROGRAMS * _streamed_block(dtype) * dtype.itemsize
+        return (f", and from {-(-slot * 8 * self.world_size // (1 << 20))} MB on larger shares go in turns, "
+                f"whatever their size")
+
+    def uneven_share_limit(self, tensor: torch.Tensor) -> int:
+        """The most elements an all-to-all with split sizes of ``tensor``'s dtype may send one rank:
+        any number where the streamed kernel serves it with room for two steps per program in a
+        mailbox slot (it moves larger shares in turns), else a slot's worth."""
+        dtype = tensor.dtype
+        if (self._takes("streamed", "all_to_all_v", 0)
+                and self._ring_blocks(dtype) >= 2 * self.streamed_step_blocks):
+            return NO_SHARE_LIMIT
+        return self._slot_bytes // dtype.itemsize
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -325,6 +351,7 @@ class Executor:
         self._counter = heap.empty(oneshot.COUNTER_SLOTS, torch.int64)
         self._call_status = self._counter[oneshot.STATUS_SLOT.value:oneshot.STATUS_SLOT.value + 1]
         self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
+        self._streamed_acks = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._lowlatency_words = max(4, min(LOWLATENCY_SLOT_WORDS, nbytes // 16 // (16 * world) // 4 * 4))
         self._lines = heap.empty(2 * world * self._lowlatency_words, torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
@@ -484,7 +511,7 @@ class Executor:
         of whole 16-byte accesses."""
         dtype = dst.dtype
         reducing = mode in ("reduce_scatter", "all_reduce")
-        block = STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize
+        block = _streamed_block(dtype)
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
         programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))
@@ -503,10 +530,13 @@ class Executor:
         """One launch of ``streamed_all_to_all_v_kernel``: the rank pairs' offsets and counts
         (``offsets``, elements) in ``table``; the same grid on every rank."""
         dtype = dst.dtype
+        ring = self._ring_blocks(dtype)
         self._launch(op, streamed.streamed_all_to_all_v_kernel, (ONESHOT_PROGRAMS,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
-                     self._streamed_flags, self._words, self._counter, _call_word(op, dtype), table,
-                     WORLD=self.world_size, BLOCK=STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize,
+                     ring if ring >= 2 * self.streamed_step_blocks else NO_TURNS,
+                     self._streamed_flags, self._streamed_acks, self._words, self._counter,
+                     _call_word(op, dtype), table,
+                     WORLD=self.world_size, BLOCK=_streamed_block(dtype),
                      STEP=self.streamed_step_blocks, ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
         self._check_status(op, dtype, NO_COUNT, self._call_status)
@@ -607,6 +637,7 @@ class Executor:
         signals = self._signals.data_ptr()
         yield self._flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._streamed_flags.data_ptr(), ONESHOT_PROGRAMS, world
+        yield self._streamed_acks.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._lines.data_ptr(), 2 * self._lowlatency_words, world
         yield signals, 1, world
         yield signals + 8 * world, 1, world
@@ -849,9 +880,10 @@ class Executor:
         table (the streamed one for split sizes, or the one-shot one); returns the table."""
         self._begin(op, src)
         out = _Output(targets)
-        capacity = self._slot_bytes // src.element_size()
-        # A pair too large for its mailbox moves nothing, and both of its ranks raise after the
-        # launch: the group's other ranks cannot know, and must not wait for them in vain.
+        capacity = self.uneven_share_limit(src)
+        # A pair too large for its mailbox (where no turns are taken) moves nothing, and both of its
+        # ranks raise after the launch: the group's other ranks cannot know, and must not wait for
+        # them in vain.
         sent = [0 if c > capacity else c for c in send_counts]
         received = [0 if c > capacity else c for c in recv_counts]
         tables = _offsets(send_counts) + sent + _offsets(recv_counts) + received
@@ -869,7 +901,7 @@ class Executor:
                 f"rank(s) {', '.join(map(str, sorted(too_large)))}, but a mailbox holds {capacity} "
                 f"{str(src.dtype).replace('torch.', '')} elements, so nothing moved between them (the "
                 f"other ranks' shares did); raise TDIST_HEAP_SIZE (or the backend option 'heap_size'): "
-                f"a mailbox is 1/(8 x world size) of the heap")
+                f"a mailbox is 1/(8 x world size) of the heap{self._turns_hint(src.dtype)}")
         return table
 
     def broadcast(self, tensor, src):

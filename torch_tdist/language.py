@@ -19,6 +19,8 @@ import operator
 import os
 import time
 
+import numpy
+
 import triton
 import triton.language as tl
 
@@ -238,7 +240,8 @@ if INTERPRET:
 
     @jit
     def wait_all(ctx, sigs, value, mask):
-        """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds."""
+        """:func:`wait` for every slot of the block ``sigs`` where ``mask`` holds (``value``: one
+        for all, or a block of one per slot)."""
         _spin_all(sigs, value, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
 
     @jit
@@ -265,20 +268,30 @@ if INTERPRET:
                           host_int(abort_address))
 
     def _spin_all(sigs, value, mask, timeout_ms, abort_address):
-        wanted = host_int(value)
         live = mask.handle.data.reshape(-1).astype(bool)
         if not live.any():
             return
+        wanted = [int(v) for v in numpy.broadcast_to(_values(value), live.shape)[live]]
+        addresses = [int(a) for a in sigs.handle.data.reshape(-1)[live]]
+        short = [0]  # the first slot short of its value at the last poll
 
-        def least():
-            seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys")
-            return int(seen.handle.data.reshape(-1)[live].min())
+        def seen_by_first_short():
+            seen = tl.atomic_add(sigs, 0, mask=mask, sem="acquire", scope="sys").handle.data.reshape(-1)[live]
+            short[0] = next((i for i, (s, w) in enumerate(zip(seen, wanted)) if s < w), None)
+            return int(seen[short[0] if short[0] is not None else 0])
         try:
-            poll_until(least, lambda seen: seen >= wanted, host_int(timeout_ms) / 1000.0, f"epoch {wanted}",
-                       host_int(abort_address))
+            poll_until(seen_by_first_short, lambda seen: short[0] is None, host_int(timeout_ms) / 1000.0,
+                       f"epoch {max(wanted)}", host_int(abort_address))
         except PeerTimeoutError as err:
-            err.address, err.satisfied = int(sigs.handle.data.reshape(-1)[live][0]), (lambda seen: seen >= wanted)
+            i = short[0] or 0
+            err.address, err.satisfied = addresses[i], (lambda seen: seen >= wanted[i])
             raise
+
+    def _values(value):
+        """An interpreter block, scalar, constexpr or int as a numpy array."""
+        if isinstance(value, tl.constexpr):
+            value = value.value
+        return value.handle.data if hasattr(value, "handle") else numpy.asarray(value)
 
     def _spin_lines(lines, mask, flag, timeout_ms, abort_address):
         wanted = host_int(flag)

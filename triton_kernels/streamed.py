@@ -160,7 +160,27 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
 
 
 @tdl.jit
-def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, flags, words, counter, call_word, tables,
+def _ring_copy(dst, src, count, first, last, pid, nprog, ring, BLOCK: tl.constexpr, INTO_RING: tl.constexpr):
+    """Like ``_copy_blocks``, but the mailbox side (``dst`` if INTO_RING, else ``src``) holds
+    ``ring`` of this program's blocks: block ``j`` at the place of block ``j % ring``."""
+    for j in range(first, last):
+        offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
+        slot = (pid + (j % ring) * nprog) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < count
+        if INTO_RING:
+            tl.store(dst + slot, tl.load(src + offs, mask=mask), mask=mask)
+        else:
+            tl.store(dst + offs, tl.load(src + slot, mask=mask), mask=mask)
+
+
+@tdl.jit
+def _steps(count, pid, nprog, BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """Iterations program ``pid`` takes to move its blocks of ``count`` elements."""
+    return (_blocks(count, pid, nprog, BLOCK) + STEP - 1) // STEP
+
+
+@tdl.jit
+def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, ring, flags, acks, words, counter, call_word, tables,
                                  WORLD: tl.constexpr, BLOCK: tl.constexpr, STEP: tl.constexpr,
                                  ALIGN: tl.constexpr, MAXP: tl.constexpr, LANES: tl.constexpr):
     """An all-to-all whose counts may differ between rank pairs (split sizes), streamed as above:
@@ -170,17 +190,33 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, flags, words, counter,
     share needs, waits in iteration ``k >= 2`` only on the ranks that still send it step ``k - 1``
     and signals only the ranks it still sends to, which both ends of a pair work out from the
     count they share. Iteration 1 waits on every rank (the call words, and the mailbox parity
-    rule). Every share fits a mailbox slot (``cap`` elements)."""
+    rule).
+
+    A share may be larger than a mailbox slot (``cap`` elements): each program's part of a slot is
+    a ring of ``ring`` blocks (``ring // STEP >= 2`` steps; a larger ``ring`` than any share needs: no
+    turns), and before step ``k`` overwrites step ``k - room`` (``room = ring // STEP``) the sender
+    waits until its receiver has acknowledged copying that step out (``acks``, laid out as
+    ``flags``; iteration ``k`` acknowledges steps up to ``k - 1`` with ``epoch * MAX_STEPS + k``,
+    in every ``batch``-th iteration and the last one a sender waits for, so a sender waits once
+    per ``batch`` steps, for the acknowledgement that covers them all). A receiver that found a
+    call word wrong acknowledges every step at once (it copies nothing), so no sender waits for
+    it in vain. With ``batch <= room - 1`` every wait is on an earlier iteration of the peer, so
+    the ranks cannot wait on each other in a circle."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     me = tdl.rank(ctx)
     epoch, parity = start_call(counter)
     base = epoch * MAX_STEPS
     lanes, live, to_rank, from_rank = rank_lanes(me, WORLD, LANES)
+    others = live & (from_rank != me)
     sent = tl.load(tables + WORLD + to_rank, mask=live, other=0)
     expected = tl.load(tables + 3 * WORLD + from_rank, mask=live, other=0)
-    send_steps = (_blocks(sent, pid, nprog, BLOCK) + STEP - 1) // STEP
-    recv_steps = tl.where(from_rank == me, 0, (_blocks(expected, pid, nprog, BLOCK) + STEP - 1) // STEP)
+    send_steps = _steps(sent, pid, nprog, BLOCK, STEP)  # a lane per rank to_rank
+    recv_steps = tl.where(from_rank == me, 0, _steps(expected, pid, nprog, BLOCK, STEP))  # per from_rank
+    # the same, per rank from_rank: the steps this rank sends each receiver, whose acks it waits on
+    push_steps = _steps(tl.load(tables + WORLD + from_rank, mask=live, other=0), pid, nprog, BLOCK, STEP)
+    room = ring // STEP
+    batch = tl.maximum(room // 2, 1)  # steps per acknowledgement (fewer release fences)
     steps = tl.maximum(tl.maximum(tdl.largest(tl.where(live, send_steps, 0)),
                                   tdl.largest(tl.where(live, recv_steps, 0))), 1)
     # this rank's own share: straight from the input (the shorter count if the two disagree)
@@ -192,12 +228,18 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, flags, words, counter,
 
     for k in range(0, steps + 1):
         if k < steps:
+            if (k >= room) & ((k - room) % batch == 0):
+                # the places of steps k - room to k - room + batch - 1 in each receiver's ring must
+                # have been copied out (acks come for every batch-th step and the last one owed)
+                tdl.wait_all(ctx, acks + from_rank * MAXP + pid,
+                             base + tl.minimum(k + batch - room, push_steps - room), others & (k < push_steps))
             for i in tl.static_range(1, WORLD):
                 d = (me + i) % WORLD
                 count = tl.multiple_of(tl.load(tables + WORLD + d), ALIGN)
                 remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
-                _copy_blocks(remote, src + tl.multiple_of(tl.load(tables + d), ALIGN), count, k * STEP,
-                             tl.minimum(k * STEP + STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, BLOCK)
+                _ring_copy(remote, src + tl.multiple_of(tl.load(tables + d), ALIGN), count, k * STEP,
+                           tl.minimum(k * STEP + STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, ring,
+                           BLOCK, True)
             _copy_blocks(own_dst, own_src, own_count, k * STEP, tl.minimum(k * STEP + STEP, own_blocks),
                          pid, nprog, BLOCK)
         if k == 0:
@@ -213,11 +255,18 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, flags, words, counter,
                 for i in tl.static_range(1, WORLD):
                     s = (me + i) % WORLD
                     count = tl.multiple_of(tl.load(tables + 3 * WORLD + s), ALIGN)
-                    _copy_blocks(dst + tl.multiple_of(tl.load(tables + 2 * WORLD + s), ALIGN),
-                                 box + (parity * WORLD + s) * cap, count, k * STEP - STEP,
-                                 tl.minimum(k * STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, BLOCK)
+                    _ring_copy(dst + tl.multiple_of(tl.load(tables + 2 * WORLD + s), ALIGN),
+                               box + (parity * WORLD + s) * cap, count, k * STEP - STEP,
+                               tl.minimum(k * STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, ring,
+                               BLOCK, False)
+        tl.debug_barrier()  # every thread's pushes and copies before the releases
+        if k >= 1:
+            owed = others & (((lanes * 0 == status) & (k + room <= recv_steps) &
+                              ((lanes * 0 + k % batch == 0) | (k + room == recv_steps))) |
+                             ((lanes * 0 != status) & (lanes * 0 + k == 1)))
+            tdl.notify(ctx, acks + me * MAXP + pid, from_rank, tl.where(status == 0, base + k, base + MAX_STEPS - 1),
+                       mask=owed)
         if k < steps:
-            tl.debug_barrier()  # every thread's pushes before the releases
             tdl.notify(ctx, flags + me * MAXP + pid, to_rank, base + k + 1, mask=live & ((k == 0) | (k < send_steps)))
 
     end_call(counter, epoch)
