@@ -72,7 +72,7 @@ def _streamed_specialisations():
         for align in (1, 8):
             signature = {k: types[k].format(dt="bf16") for k in streamed.streamed_all_to_all_v_kernel.arg_names}
             yield streamed.streamed_all_to_all_v_kernel, signature, {
-                "WORLD": world, "BLOCK": 8192, "STEP": 1, "ALIGN": align, "MAXP": 132,
+                "WORLD": world, "BLOCK": 2048, "STEP": 4, "ALIGN": align, "MAXP": 132,
                 "LANES": 1 << (world - 1).bit_length()}
 
 

@@ -65,8 +65,18 @@ NO_TURNS = 1 << 30  # a ring larger than any share's blocks: no turns (and no ac
 NO_SHARE_LIMIT = 1 << 62
 
 
+# All-to-alls with split sizes: smaller blocks, more to a step (the same bytes per step), so that
+# a small share spreads over more programs (SMs).
+UNEVEN_BLOCK_BYTES = 4096
+UNEVEN_STEP_BLOCKS = 4
+
+
 def _streamed_block(dtype: torch.dtype) -> int:
     return STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize
+
+
+def _uneven_block(dtype: torch.dtype) -> int:
+    return STREAMED_BLOCK or UNEVEN_BLOCK_BYTES // dtype.itemsize
 
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
@@ -313,12 +323,12 @@ class Executor:
 
     def _ring_blocks(self, dtype: torch.dtype) -> int:
         """Blocks of each program's ring in a mailbox slot (streamed_all_to_all_v_kernel)."""
-        return self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _streamed_block(dtype))
+        return self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _uneven_block(dtype))
 
     def _turns_hint(self, dtype: torch.dtype) -> str:
         if not self._takes("streamed", "all_to_all_v", 0):
             return ""
-        slot = 2 * self.streamed_step_blocks * ONESHOT_PROGRAMS * _streamed_block(dtype) * dtype.itemsize
+        slot = 2 * UNEVEN_STEP_BLOCKS * ONESHOT_PROGRAMS * _uneven_block(dtype) * dtype.itemsize
         return (f", and from {-(-slot * 8 * self.world_size // (1 << 20))} MB on larger shares go in turns, "
                 f"whatever their size")
 
@@ -328,7 +338,7 @@ class Executor:
         mailbox slot (it moves larger shares in turns), else a slot's worth."""
         dtype = tensor.dtype
         if (self._takes("streamed", "all_to_all_v", 0)
-                and self._ring_blocks(dtype) >= 2 * self.streamed_step_blocks):
+                and self._ring_blocks(dtype) >= 2 * UNEVEN_STEP_BLOCKS):
             return NO_SHARE_LIMIT
         return self._slot_bytes // dtype.itemsize
 
@@ -533,11 +543,11 @@ class Executor:
         ring = self._ring_blocks(dtype)
         self._launch(op, streamed.streamed_all_to_all_v_kernel, (ONESHOT_PROGRAMS,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
-                     ring if ring >= 2 * self.streamed_step_blocks else NO_TURNS,
+                     ring if ring >= 2 * UNEVEN_STEP_BLOCKS else NO_TURNS,
                      self._streamed_flags, self._streamed_acks, self._words, self._counter,
                      _call_word(op, dtype), table,
-                     WORLD=self.world_size, BLOCK=_streamed_block(dtype),
-                     STEP=self.streamed_step_blocks, ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
+                     WORLD=self.world_size, BLOCK=_uneven_block(dtype),
+                     STEP=UNEVEN_STEP_BLOCKS, ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
         self._check_status(op, dtype, NO_COUNT, self._call_status)
 

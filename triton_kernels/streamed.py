@@ -160,17 +160,21 @@ def streamed_kernel(ctx, src, dst, box, cap, flags, words, counter, n, stride, p
 
 
 @tdl.jit
-def _ring_copy(dst, src, count, first, last, pid, nprog, ring, BLOCK: tl.constexpr, INTO_RING: tl.constexpr):
-    """Like ``_copy_blocks``, but the mailbox side (``dst`` if INTO_RING, else ``src``) holds
-    ``ring`` of this program's blocks: block ``j`` at the place of block ``j % ring``."""
+def _ring_copy_rows(dst, src, counts, rows, first, last, pid, nprog, ring, BLOCK: tl.constexpr,
+                    INTO_RING: tl.constexpr):
+    """This program's blocks ``first`` to ``last - 1`` of each row ``r`` where ``rows`` holds:
+    ``counts[r]`` elements from ``src[r]`` to ``dst[r]`` (blocks of pointers), every row's loads
+    before any store (as ``oneshot._copy_rows``). The mailbox side (``dst`` if INTO_RING, else
+    ``src``) holds ``ring`` of this program's blocks: block ``j`` at the place of block
+    ``j % ring``."""
     for j in range(first, last):
         offs = (pid + j * nprog) * BLOCK + tl.arange(0, BLOCK)
         slot = (pid + (j % ring) * nprog) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < count
+        mask = (offs[None, :] < counts[:, None]) & rows[:, None]
         if INTO_RING:
-            tl.store(dst + slot, tl.load(src + offs, mask=mask), mask=mask)
+            tl.store(dst[:, None] + slot[None, :], tl.load(src[:, None] + offs[None, :], mask=mask), mask=mask)
         else:
-            tl.store(dst + offs, tl.load(src + slot, mask=mask), mask=mask)
+            tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + slot[None, :], mask=mask), mask=mask)
 
 
 @tdl.jit
@@ -190,7 +194,7 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, ring, flags, acks, wor
     share needs, waits in iteration ``k >= 2`` only on the ranks that still send it step ``k - 1``
     and signals only the ranks it still sends to, which both ends of a pair work out from the
     count they share. Iteration 1 waits on every rank (the call words, and the mailbox parity
-    rule).
+    rule). Each step moves every peer's block at once, a lane each (``_ring_copy_rows``).
 
     A share may be larger than a mailbox slot (``cap`` elements): each program's part of a slot is
     a ring of ``ring`` blocks (``ring // STEP >= 2`` steps; a larger ``ring`` than any share needs: no
@@ -224,6 +228,14 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, ring, flags, acks, wor
     own_src = src + tl.multiple_of(tl.load(tables + me), ALIGN)
     own_dst = dst + tl.multiple_of(tl.load(tables + 2 * WORLD + me), ALIGN)
     own_blocks = _blocks(own_count, pid, nprog, BLOCK)
+    # every peer's share at once, a lane each (to_rank: pushes, from_rank: copies out)
+    push_from = src + tl.multiple_of(tl.load(tables + to_rank, mask=live, other=0), ALIGN)
+    push_to = tdl.symm_at(ctx, box, to_rank) + (parity * WORLD + me) * cap
+    pushing = live & (to_rank != me)
+    push_blocks = tdl.largest(tl.where(pushing, _blocks(sent, pid, nprog, BLOCK), 0))
+    copy_to = dst + tl.multiple_of(tl.load(tables + 2 * WORLD + from_rank, mask=live, other=0), ALIGN)
+    copy_from = box + (parity * WORLD + from_rank) * cap
+    copy_blocks = tdl.largest(tl.where(others, _blocks(expected, pid, nprog, BLOCK), 0))
     status = pid * 0
 
     for k in range(0, steps + 1):
@@ -233,13 +245,8 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, ring, flags, acks, wor
                 # have been copied out (acks come for every batch-th step and the last one owed)
                 tdl.wait_all(ctx, acks + from_rank * MAXP + pid,
                              base + tl.minimum(k + batch - room, push_steps - room), others & (k < push_steps))
-            for i in tl.static_range(1, WORLD):
-                d = (me + i) % WORLD
-                count = tl.multiple_of(tl.load(tables + WORLD + d), ALIGN)
-                remote = tdl.symm_at(ctx, box, d) + (parity * WORLD + me) * cap
-                _ring_copy(remote, src + tl.multiple_of(tl.load(tables + d), ALIGN), count, k * STEP,
-                           tl.minimum(k * STEP + STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, ring,
-                           BLOCK, True)
+            _ring_copy_rows(push_to, push_from, tl.multiple_of(sent, ALIGN), pushing, k * STEP,
+                            tl.minimum(k * STEP + STEP, push_blocks), pid, nprog, ring, BLOCK, True)
             _copy_blocks(own_dst, own_src, own_count, k * STEP, tl.minimum(k * STEP + STEP, own_blocks),
                          pid, nprog, BLOCK)
         if k == 0:
@@ -252,13 +259,8 @@ def streamed_all_to_all_v_kernel(ctx, src, dst, box, cap, ring, flags, acks, wor
                 status = call_words_differ(words, counter, parity, pid, call_word, expected, from_rank, live,
                                            WORLD, MAXP)
             if status == 0:
-                for i in tl.static_range(1, WORLD):
-                    s = (me + i) % WORLD
-                    count = tl.multiple_of(tl.load(tables + 3 * WORLD + s), ALIGN)
-                    _ring_copy(dst + tl.multiple_of(tl.load(tables + 2 * WORLD + s), ALIGN),
-                               box + (parity * WORLD + s) * cap, count, k * STEP - STEP,
-                               tl.minimum(k * STEP, _blocks(count, pid, nprog, BLOCK)), pid, nprog, ring,
-                               BLOCK, False)
+                _ring_copy_rows(copy_to, copy_from, tl.multiple_of(expected, ALIGN), others, k * STEP - STEP,
+                                tl.minimum(k * STEP, copy_blocks), pid, nprog, ring, BLOCK, False)
         tl.debug_barrier()  # every thread's pushes and copies before the releases
         if k >= 1:
             owed = others & (((lanes * 0 == status) & (k + room <= recv_steps) &
