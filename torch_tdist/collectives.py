@@ -92,8 +92,8 @@ def _uneven_block(dtype: torch.dtype) -> int:
 # 1 MB. All-to-alls whose split sizes are given are tdist's at every size (TDIST_UNEVEN_ALL_TO_ALL=0
 # hands them to NCCL; since ranks' sizes differ no size test could do it on every rank alike):
 # the streamed kernel for them (132 programs whatever the counts; shares larger than a mailbox
-# in turns) did 1.04x-1.87x of NCCL's speed eager, 0.95x-1.31x in CUDA graphs, for routed MoE
-# dispatch of 0.1 to 470 MB a rank (collectives_NVIDIA_H200-x4-uneven-a2a.json).
+# in turns) did 1.04x-1.90x of NCCL's speed eager, 1.05x-1.53x in CUDA graphs, for routed MoE
+# dispatch of 0.1 to 470 MB a rank on 4 H100s (collectives_NVIDIA_H100_80GB_HBM3-x4-uneven-a2a.json).
 # TDIST_GPU_SIZE_LIMITS=0 lifts the limits, to measure tdist's kernels at every size.
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
