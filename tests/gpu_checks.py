@@ -242,9 +242,9 @@ def uneven_all_to_all(tg, rank, world, device, gen):
 def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
     """all_to_all_single with split sizes whose shares are larger than a mailbox slot, which the
     streamed kernel moves in turns (the default: TDIST_UNEVEN_ALL_TO_ALL unset): on the default
-    heap (32 MB slots with 4 ranks) and on a 256M one (a ring of 3 blocks per program and slot
-    with 4 ranks, so turns come every third step), twice each (the second replays C++'s plan),
-    one async; a CUDA graph of such a call replayed on fresh inputs; then a call whose splits
+    heap (32 MB slots with 4 ranks) and on a 256M one (a ring of 3 steps per program and slot
+    with 4 ranks, so turns come every third step), three times each (the later calls replay
+    C++'s plan, the second is async); a CUDA graph of such a call replayed on fresh inputs; then a call whose splits
     rank 1 gets wrong (it expects fewer rows from rank 0 than rank 0 sends): no rank waits in
     vain, the group goes on, and with TDIST_CHECK_CALLS=1 rank 1 raises."""
     row = 7168
