@@ -189,6 +189,23 @@ def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
     return second, first and third and len(served) == 3
 
 
+def all_to_all_with_and_without_split_sizes(rank, ws, seed):
+    """Rank 0 calls all_to_all_single with even split sizes given, the others without; then
+    every rank calls it without. Returns (what the first call raised or "returned", whether the
+    second was right)."""
+    x = torch.randn(ws * 40, generator=torch.Generator().manual_seed(seed + rank))
+    out = torch.empty_like(x)
+    try:
+        dist.all_to_all_single(out, x, *([[40] * ws] * 2 if rank == 0 else []))
+        first = "returned"
+    except ValueError as err:
+        first = str(err)
+    dist.all_to_all_single(out, x)
+    want = torch.cat([torch.randn(ws * 40, generator=torch.Generator().manual_seed(seed + s))[40 * rank:40 * rank + 40]
+                      for s in range(ws)])
+    return first, torch.equal(out, want)
+
+
 def _broadcast_checked(xs, root):
     """A one-shot broadcast between other calls (they share mailboxes, call words and epoch)."""
     got = xs[dist.get_rank()].clone()

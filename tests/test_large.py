@@ -94,6 +94,16 @@ def test_streamed_all_to_all_with_split_sizes_larger_than_a_mailbox_goes_in_turn
 
 
 @pytest.mark.tdist_only
+@ws_param([2])
+def test_streamed_all_to_all_with_split_sizes_beside_one_without_raises(streamed_pool, seed):
+    # the two kernels share flags and call words but lay blocks out otherwise
+    for rank, (first, second) in enumerate(streamed_pool.run(J.all_to_all_with_and_without_split_sizes, seed,
+                                                             timeout=60)):
+        assert "different call" in first and "all_to_all_single" in first, f"rank {rank}: {first}"
+        assert second, f"rank {rank}: the next all_to_all_single was wrong"
+
+
+@pytest.mark.tdist_only
 @ws_param([2, 3])
 @pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: one round against two or three
 def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed, n0, n):

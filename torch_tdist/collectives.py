@@ -545,7 +545,7 @@ class Executor:
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      ring if ring >= 2 * UNEVEN_STEP_BLOCKS else NO_TURNS,
                      self._streamed_flags, self._streamed_acks, self._words, self._counter,
-                     _call_word(op, dtype), table,
+                     _call_word(op, dtype, SPLIT_SIZES_ROUNDS), table,
                      WORLD=self.world_size, BLOCK=_uneven_block(dtype),
                      STEP=UNEVEN_STEP_BLOCKS, ALIGN=_vector(dtype) if _aligned(dtype, offsets) else 1,
                      MAXP=ONESHOT_PROGRAMS, LANES=self._lanes, **SIGNALLING_META)
@@ -1295,6 +1295,12 @@ class Executor:
 
 class _GroupStopped(TimeoutError):
     """A collective timed out waiting for a peer; the group serves no more calls."""
+
+
+# the rounds left in the call words of streamed_all_to_all_v_kernel (even calls count down to 1):
+# an even all-to-all on another rank, whose streamed kernel shares the flags and words but lays
+# blocks out otherwise, then differs at once instead of delivering the wrong blocks
+SPLIT_SIZES_ROUNDS = 0
 
 
 def _call_word(op: str, dtype: torch.dtype, rounds_left: int = 1) -> int:
