@@ -61,14 +61,12 @@ SIGNALLING_META = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS,
 STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: STREAMED_BLOCK_BYTES
 STREAMED_BLOCK_BYTES = 16384
 STREAMED_STEP_BLOCKS = 1
-NO_TURNS = 1 << 30  # a ring larger than any share's blocks: no turns (and no acks)
-NO_SHARE_LIMIT = 1 << 62
-
-
 # All-to-alls with split sizes: smaller blocks, more to a step (the same bytes per step), so that
 # a small share spreads over more programs (SMs).
 UNEVEN_BLOCK_BYTES = 4096
 UNEVEN_STEP_BLOCKS = 4
+NO_TURNS = 1 << 30  # a ring larger than any share's blocks: no turns (and no acks)
+NO_SHARE_LIMIT = 1 << 62
 
 
 def _streamed_block(dtype: torch.dtype) -> int:
@@ -321,26 +319,18 @@ class Executor:
         """Bytes of a mailbox slot: what one rank may send another in one turn."""
         return self._slot_bytes
 
-    def _ring_blocks(self, dtype: torch.dtype) -> int:
-        """Blocks of each program's ring in a mailbox slot (streamed_all_to_all_v_kernel)."""
-        return self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _uneven_block(dtype))
-
-    def _turns_hint(self, dtype: torch.dtype) -> str:
-        if not self._takes("streamed", "all_to_all_v", 0):
-            return ""
-        slot = 2 * UNEVEN_STEP_BLOCKS * ONESHOT_PROGRAMS * _uneven_block(dtype) * dtype.itemsize
-        return (f", and from {-(-slot * 8 * self.world_size // (1 << 20))} MB on larger shares go in turns, "
-                f"whatever their size")
+    def _turns_ring(self, dtype: torch.dtype) -> int | None:
+        """Blocks of each program's ring in a mailbox slot where streamed_all_to_all_v_kernel
+        moves shares larger than a slot in turns (it needs room for two steps); None where it
+        takes none (the one-shot kernel serves, or the heap is too small)."""
+        ring = self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _uneven_block(dtype))
+        return ring if self._takes("streamed", "all_to_all_v", 0) and ring >= 2 * UNEVEN_STEP_BLOCKS else None
 
     def uneven_share_limit(self, tensor: torch.Tensor) -> int:
         """The most elements an all-to-all with split sizes of ``tensor``'s dtype may send one rank:
-        any number where the streamed kernel serves it with room for two steps per program in a
-        mailbox slot (it moves larger shares in turns), else a slot's worth."""
+        any number where larger shares go in turns, else a slot's worth."""
         dtype = tensor.dtype
-        if (self._takes("streamed", "all_to_all_v", 0)
-                and self._ring_blocks(dtype) >= 2 * UNEVEN_STEP_BLOCKS):
-            return NO_SHARE_LIMIT
-        return self._slot_bytes // dtype.itemsize
+        return NO_SHARE_LIMIT if self._turns_ring(dtype) else self._slot_bytes // dtype.itemsize
 
     # ---- state -------------------------------------------------------------------------
     def _ensure_heap(self, device: torch.device, op: str):
@@ -540,10 +530,9 @@ class Executor:
         """One launch of ``streamed_all_to_all_v_kernel``: the rank pairs' offsets and counts
         (``offsets``, elements) in ``table``; the same grid on every rank."""
         dtype = dst.dtype
-        ring = self._ring_blocks(dtype)
         self._launch(op, streamed.streamed_all_to_all_v_kernel, (ONESHOT_PROGRAMS,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
-                     ring if ring >= 2 * UNEVEN_STEP_BLOCKS else NO_TURNS,
+                     self._turns_ring(dtype) or NO_TURNS,
                      self._streamed_flags, self._streamed_acks, self._words, self._counter,
                      _call_word(op, dtype, SPLIT_SIZES_ROUNDS), table,
                      WORLD=self.world_size, BLOCK=_uneven_block(dtype),
@@ -898,12 +887,17 @@ class Executor:
         received = [0 if c > capacity else c for c in recv_counts]
         tables = _offsets(send_counts) + sent + _offsets(recv_counts) + received
         table = self._table(tables, src.device)
-        if self._takes("streamed", "all_to_all_v", 0):
+        if self._takes("streamed", "all_to_all_v", 0):  # (every rank alike: no size test)
             self._streamed_v(op, src, out.flat, table, offsets=tables)
         else:
             self._oneshot(op, "all_to_all", src, out.flat, 0, tables=table, offsets=tables)
         out.finish()
         if sent != send_counts or received != recv_counts:
+            turns = ""
+            if self._takes("streamed", "all_to_all_v", 0):
+                slot = 2 * UNEVEN_STEP_BLOCKS * ONESHOT_PROGRAMS * _uneven_block(src.dtype) * src.element_size()
+                turns = (f", and from {-(-slot * 8 * self.world_size // (1 << 20))} MB on larger shares go in "
+                         f"turns, whatever their size")
             too_large = {r for r, c in enumerate(send_counts) if c > capacity}
             too_large |= {r for r, c in enumerate(recv_counts) if c > capacity}
             raise ValueError(
@@ -911,7 +905,7 @@ class Executor:
                 f"rank(s) {', '.join(map(str, sorted(too_large)))}, but a mailbox holds {capacity} "
                 f"{str(src.dtype).replace('torch.', '')} elements, so nothing moved between them (the "
                 f"other ranks' shares did); raise TDIST_HEAP_SIZE (or the backend option 'heap_size'): "
-                f"a mailbox is 1/(8 x world size) of the heap{self._turns_hint(src.dtype)}")
+                f"a mailbox is 1/(8 x world size) of the heap{turns}")
         return table
 
     def broadcast(self, tensor, src):
