@@ -179,6 +179,7 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 2e-2),
     torch.float64: (1e-12, 1e-12),
 }
+PRODUCT_BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 
 
 class Checker:
@@ -236,6 +237,19 @@ class Checker:
                          f"(max abs err {err:.3g}, {actual.dtype}); first at {idx}: got "
                          f"{actual[idx].item()!r}, expected {expected[idx].item()!r}")
         return False
+
+    def products_close(self, actual, expected, case: str = "") -> bool:
+        """Matrix products: a rounding error per element grows with the inner dimension and the
+        order of the sums, so the bound is on the whole product (relative Frobenius norm), against
+        a reference best computed in float64."""
+        if not isinstance(actual, torch.Tensor) or tuple(actual.shape) != tuple(expected.shape):
+            self._fail(case, f"got {getattr(actual, 'shape', type(actual).__name__)}, expected shape "
+                             f"{tuple(expected.shape)}")
+            return False
+        err = ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+        bound = PRODUCT_BOUNDS[actual.dtype]
+        self.true(err <= bound, case, f"relative error {err:.2e} over {bound:g} ({actual.dtype})")
+        return err <= bound
 
     def true(self, cond, case: str, msg: str):
         if not cond:

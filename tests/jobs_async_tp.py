@@ -63,7 +63,7 @@ def fused_ops_dispatch(rank, ws, seed):
         got_a, got = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, name, return_A=True)
         chk.close(got_a, a_full, f"gathered A, dim {gather_dim}")
         for i, b in enumerate(bs):
-            chk.close(got[i], a_full @ b, f"A @ B[{i}], dim {gather_dim}")
+            chk.products_close(got[i], a_full.double() @ b.double(), f"A @ B[{i}], dim {gather_dim}")
         chk.true(async_tp.served["fused_all_gather_matmul"] == before.get("fused_all_gather_matmul", 0) + 1,
                  f"served, dim {gather_dim}", "the call was not counted")
         overlapped = executor.fused_calls["all_gather_matmul"] - fused
@@ -78,7 +78,8 @@ def fused_ops_dispatch(rank, ws, seed):
         b = rand((k, 4 * ws), torch.float32, rank_gen(seed, rank, 30 + scatter_dim))
         fused = executor.fused_calls["matmul_reduce_scatter"]
         got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, scatter_dim, name)
-        chk.close(got, _scattered(a @ b, scatter_dim, reduce_op, gloo_group), f"{reduce_op} along {scatter_dim}")
+        chk.products_close(got, _scattered(a.double() @ b.double(), scatter_dim, reduce_op, gloo_group),
+                           f"{reduce_op} along {scatter_dim}")
         overlapped = executor.fused_calls["matmul_reduce_scatter"] - fused
         chk.true(overlapped == (scatter_dim != 2), f"overlapped, scatter dim {scatter_dim}",
                  f"{overlapped} overlapped calls")
@@ -94,14 +95,14 @@ def fused_ops_dispatch(rank, ws, seed):
         chk.true(got_a.stride() == want_a.stride() and got[0].stride() == want[0].stride(),
                  f"gather layout, batch {batch}", f"{got_a.stride()} {got[0].stride()}, torch's "
                  f"{want_a.stride()} {want[0].stride()}")
-        chk.close(got[0], want[0], f"gather values, batch {batch}")
+        chk.products_close(got[0], want[0], f"gather values, batch {batch}")
         a = rand((batch, 2 * ws, DIM), torch.float32, rank_gen(seed, rank, 60 + batch))
         want = torch_symm_mem._fused_matmul_reduce_scatter_fallback(a, bs[0], "sum", 1, name)
         got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bs[0], "sum", 1, name)
         plain = torch.ops.tdist.matmul_reduce_scatter(a, bs[0], name, 1, "sum")
         chk.true(got.stride() == want.stride() == plain.stride() == torch.empty(want.shape).stride(),
                  f"scatter layout, batch {batch}", f"{got.stride()} and tdist's {plain.stride()}, torch's {want.stride()}")
-        chk.close(got, want, f"scatter values, batch {batch}")
+        chk.products_close(got, want, f"scatter values, batch {batch}")
 
     try:
         torch.ops.symm_mem.fused_matmul_reduce_scatter(b.new_ones(4, 4), b.new_ones(4, 4), "sum", 0,
@@ -146,10 +147,10 @@ def compiled_mlp(rank, ws, seed, batch):
     want_out, want_dx, want_grads = _step(eager, x_local)
     served, fused = dict(async_tp.served), dict(executor.fused_calls)
     got_out, got_dx, got_grads = _step(compiled, x_local)
-    chk.close(got_out, want_out, "output")
-    chk.close(got_dx, want_dx, "input gradient")
+    chk.products_close(got_out, want_out, "output")
+    chk.products_close(got_dx, want_dx, "input gradient")
     for param, want in want_grads.items():
-        chk.close(got_grads[param], want, f"gradient of {param}")
+        chk.products_close(got_grads[param], want, f"gradient of {param}")
     regions = {op: async_tp.served[op] - served.get(op, 0) for op in async_tp.served}
     overlapped = {op: executor.fused_calls[op] - fused.get(op, 0) for op in executor.fused_calls}
     chk.true(regions.get("fused_all_gather_matmul", 0) >= 2 and regions.get("fused_matmul_reduce_scatter", 0) >= 3,

@@ -14,16 +14,6 @@ import torch.distributed as dist
 import torch_tdist
 from tests.common import Checker, dt, rand, shared_gen
 
-BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
-
-
-def _close(chk, got, want, what):
-    if got.shape != want.shape:
-        chk.true(False, what, f"shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-        return
-    err = ((got.double() - want).norm() / want.norm()).item()
-    chk.true(err <= BOUND[got.dtype], what, f"relative error {err:.2e} over {BOUND[got.dtype]:g} ({got.dtype})")
-
 
 def _operand(shape, d, seed, salt):
     return rand(shape, d, shared_gen(seed, salt), "sum")
@@ -57,15 +47,15 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fu
     served = executor.fused_calls["all_gather_matmul"] - fused_before
     chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     for i, out in enumerate(outs):
-        _close(chk, out, a_full.double() @ bs[rank][i].double(), f"output {i}")
+        chk.products_close(out, a_full.double() @ bs[rank][i].double(), f"output {i}")
     ((got_a * v[rank]).sum() + sum((o * w).sum() for o, w in zip(outs, ws_[rank]))).backward()
 
     grad_full = sum(w.double() @ b.double().t() for r in range(ws) for w, b in zip(ws_[r], bs[r]))
     grad_full = grad_full + sum(v[r].double() for r in range(ws))
-    _close(chk, a_shard.grad, grad_full.chunk(ws, dim=gather_dim)[rank], "grad of A's shard")
+    chk.products_close(a_shard.grad, grad_full.chunk(ws, dim=gather_dim)[rank], "grad of A's shard")
     a64 = a_full.double().reshape(-1, k)
     for i, b in enumerate(mine):
-        _close(chk, b.grad, a64.t() @ ws_[rank][i].double().reshape(-1, ns[i]), f"grad of B {i}")
+        chk.products_close(b.grad, a64.t() @ ws_[rank][i].double().reshape(-1, ns[i]), f"grad of B {i}")
     chk.done()
 
 
@@ -86,15 +76,15 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
 
     out = torch_tdist.ops.matmul_reduce_scatter(mine_a, mine_b, scatter_dim=scatter_dim, reduce_op=reduce_op)
     total = sum(a[r].double() @ b[r].double() for r in range(ws)) * scale
-    _close(chk, out, total.chunk(ws, dim=scatter_dim)[rank], "output")
+    chk.products_close(out, total.chunk(ws, dim=scatter_dim)[rank], "output")
     served = executor.fused_calls["matmul_reduce_scatter"] - fused_before
     chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     (out * w[rank]).sum().backward()
 
     # d loss / d (A_rank @ B_rank)
     grad_c = torch.cat([w[r].double() for r in range(ws)], dim=scatter_dim) * scale
-    _close(chk, mine_a.grad, grad_c @ b[rank].double().t(), "grad of A")
-    _close(chk, mine_b.grad, (a[rank].double().reshape(-1, k).t() @ grad_c.reshape(-1, n)), "grad of B")
+    chk.products_close(mine_a.grad, grad_c @ b[rank].double().t(), "grad of A")
+    chk.products_close(mine_b.grad, (a[rank].double().reshape(-1, k).t() @ grad_c.reshape(-1, n)), "grad of B")
     chk.done()
 
 
@@ -117,9 +107,9 @@ def compiled(rank, ws, seed):
     a.grad = b.grad = None
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(a, b)
     got.sum().backward()
-    chk.close(got, eager, "compiled output")
-    chk.close(a.grad, grads[0], "compiled grad of A")
-    chk.close(b.grad, grads[1], "compiled grad of B")
+    chk.products_close(got, eager, "compiled output")
+    chk.products_close(a.grad, grads[0], "compiled grad of A")
+    chk.products_close(b.grad, grads[1], "compiled grad of B")
     chk.done()
 
 
@@ -162,12 +152,12 @@ def tuned_choices(rank, ws, seed):
     for _ in range(2):
         before = sum(executor.fused_calls.values())
         for b in bs:
-            _close(chk, torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b),
+            chk.products_close(torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b),
                    a_full.double() @ b.double(), f"all_gather_matmul n={b.shape[1]}")
         parts = {r: _operand([ws * m, k], torch.float32, seed, 10 + r) for r in range(ws)}
         weights = {r: _operand([k, n], torch.float32, seed, 20 + r) for r in range(ws)}
         total = sum(parts[r].double() @ weights[r].double() for r in range(ws))
-        _close(chk, torch_tdist.ops.matmul_reduce_scatter(parts[rank], weights[rank]), total.chunk(ws)[rank],
+        chk.products_close(torch_tdist.ops.matmul_reduce_scatter(parts[rank], weights[rank]), total.chunk(ws)[rank],
                "matmul_reduce_scatter")
         fused_in_call = sum(executor.fused_calls.values()) - before
     chk.done()
@@ -186,7 +176,7 @@ def uneven_columns(rank, ws, seed):
         b = _operand([k, n], torch.float32, seed, 40 + rank) if n else torch.empty(k, 0)
         out = torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank].clone(), b)
         if n:
-            _close(chk, out, a_full.double() @ b.double(), f"all_gather_matmul n={n}")
+            chk.products_close(out, a_full.double() @ b.double(), f"all_gather_matmul n={n}")
         else:
             chk.true(out.shape == (ws * m, 0), f"n={n}", f"shape {tuple(out.shape)}")
     chk.done()
