@@ -243,6 +243,7 @@ def main():
                      algorithm=algorithm,
                      size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
                      heap_size=os.environ.get("TDIST_HEAP_SIZE", "the default"),
+                     tdist_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("TDIST_")},
                      host_overhead_us=overhead, async_op=args.async_op)
     dist.destroy_process_group()
 

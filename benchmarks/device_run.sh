@@ -2,7 +2,7 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|bench|overlap|titan|soak|moe|badinput|all]   (all: demo, test, bench, moe)
+#   bash benchmarks/device_run.sh [demo|test|bench|sweep|overlap|titan|soak|moe|badinput|all]   (all: demo, test, bench, moe)
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
@@ -47,6 +47,17 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = sweep ]; then
+  # one benchmark run per value of an environment variable, in one device call (an A/B), e.g.
+  # SWEEP_VAR=TDIST_STREAMED_MIN_BLOCK_BYTES SWEEP="16384 4096 2048" \
+  #   BENCH_ARGS="--ops all_reduce --sizes 256K,1M,4M --graph" bash benchmarks/device_run.sh sweep
+  for value in ${SWEEP:?}; do
+    echo "== ${SWEEP_VAR:?}=$value" | tee -a "$OUT/bench.log"
+    env "$SWEEP_VAR=$value" TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 300 python3 -m torch.distributed.run \
+      --standalone --nproc-per-node "$nproc" benchmarks/collectives.py --out "$OUT/$SWEEP_VAR-$value" \
+      ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  done
 fi
 if [ "$what" = overlap ]; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \

@@ -244,7 +244,7 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
     streamed kernel moves in turns (the default: TDIST_UNEVEN_ALL_TO_ALL unset): on the default
     heap (32 MB slots with 4 ranks) and on a 256M one (a ring of 3 steps per program and slot
     with 4 ranks, so turns come every third step), three times each (the later calls replay
-    C++'s plan, the second is async); a CUDA graph of such a call replayed on fresh inputs; then a call whose splits
+    C++'s plan, the second is async); two CUDA graphs of such a call replayed in turn on fresh inputs; then a call whose splits
     rank 1 gets wrong (it expects fewer rows from rank 0 than rank 0 sends): no rank waits in
     vain, the group goes on, and with TDIST_CHECK_CALLS=1 rank 1 raises."""
     row = 7168
@@ -281,14 +281,17 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
     splits = splits_for(500, 2 * slot_rows + 5)  # (the 256M group's)
     static_in = torch.zeros(int(splits[rank].sum()), row, device=device, dtype=torch.bfloat16)
     static_out = torch.zeros(int(splits[:, rank].sum()), row, device=device, dtype=torch.bfloat16)
-    graph = _captured(lambda: dist.all_to_all_single(static_out, static_in, splits[:, rank].tolist(),
-                                                     splits[rank].tolist(), group=group), warmups=0)
-    for replay in range(2):
+    # two graphs of the same call (they share its captured table), replayed in turn
+    graphs = [_captured(lambda: dist.all_to_all_single(static_out, static_in, splits[:, rank].tolist(),
+                                                       splits[rank].tolist(), group=group), warmups=0)
+              for _ in range(2)]
+    for replay in range(4):
         x = torch.randn(static_in.shape, device=device, generator=gen).to(torch.bfloat16)
         static_in.copy_(x)
         static_out.fill_(7)
-        graph.replay()
-        _check(f"all_to_all_single in turns, captured #{replay}", static_out, a2a(None, splits, x))
+        graphs[replay % 2].replay()
+        _check(f"all_to_all_single in turns, graph {replay % 2} replay #{replay // 2}", static_out,
+               a2a(None, splits, x))
 
     # wrong splits: on the group above (C++ replays, which raise nothing on GPUs), and on one with
     # TDIST_CHECK_CALLS=1, where rank 1 raises
@@ -580,10 +583,13 @@ def streamed_path(tg, rank, world, device, gen):
     """The streamed kernel (triton_kernels/streamed.py) on a group that takes it at every size,
     with a 64 MB heap (2 MB mailbox slots on 4 ranks, so the larger messages take several rounds
     of many steps): all_gather, reduce_scatter and all_reduce (in place) with odd element
-    counts, then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
+    counts, also with blocks from 2 KB (TDIST_STREAMED_MIN_BLOCK_BYTES), then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
     the default group at 4 MB (all_gather and all_reduce streamed there, reduce_scatter one-shot)."""
     sg = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M"})
     _large_calls(sg, "streamed", (1001, "3M", (5 << 20) + 3), world, device, gen)
+    small_blocks = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M",
+                                 "TDIST_STREAMED_MIN_BLOCK_BYTES": "2048"})
+    _large_calls(small_blocks, "streamed, blocks from 2 KB", (1001, "3M"), world, device, gen)
     _large_calls(tg, "auto", ((1 << 20) + 3,), world, device, gen)
     _progress(rank, "streamed_path: calls done")
     n = (1 << 18) + 3

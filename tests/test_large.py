@@ -10,6 +10,7 @@ slots through the low-latency kernel (triton_kernels/lowlatency.py), one launch 
 """
 
 import pytest
+import torch
 
 from tests import jobs_large as J
 from tests.helpers import ws_param
@@ -142,3 +143,24 @@ def test_all_to_all_too_large_for_a_mailbox_raises_on_its_two_ranks_only(small_h
             assert first == "returned", f"rank {rank}: {first}"
         assert right, f"rank {rank}: the rows of the pairs that fit are wrong"
         assert second, f"rank {rank}: the next all_to_all_single was wrong"
+
+
+@pytest.mark.parametrize("min_bytes", [16384, 4096, 2048, 16])
+def test_gpu_streamed_blocks_spread_a_short_share_over_the_programs(monkeypatch, min_bytes):
+    """GPU launches (no interpreter) cut a streamed share into blocks of a power of two bytes, from
+    ``min_bytes`` (TDIST_STREAMED_MIN_BLOCK_BYTES) to STREAMED_BLOCK_BYTES; a block smaller than
+    that leaves no program without one and no more than one to a program."""
+    from torch_tdist import collectives as C
+
+    monkeypatch.setattr(C, "STREAMED_BLOCK", None)
+    monkeypatch.setattr(C, "ONESHOT_PROGRAMS", 132)
+    for dtype in (torch.bfloat16, torch.float32):
+        for share in (4, 4096, 100_000, 128 << 10, (132 << 11) + 4, 1 << 20, 3 << 20, 64 << 20):
+            n = share // dtype.itemsize
+            nbytes = C._streamed_block(dtype, n, min_bytes) * dtype.itemsize
+            assert nbytes & (nbytes - 1) == 0 and min_bytes <= nbytes <= C.STREAMED_BLOCK_BYTES, (share, nbytes)
+            blocks = -(-share // nbytes)
+            if nbytes < C.STREAMED_BLOCK_BYTES:
+                assert blocks <= 132, (share, nbytes, blocks)
+            if nbytes > min_bytes:
+                assert blocks > 132 // 2, (share, nbytes, blocks)

@@ -58,9 +58,14 @@ SIGNALLING_META = {} if language.INTERPRET else {"num_warps": ONESHOT_WARPS,
 # that the tests' messages take several steps. Blocks per step and program: on H200s 1 did best
 # at 64 and 256 MB (benchmarks/results/collectives_NVIDIA_H200-x4-streamed.json, against 2 and
 # 4); TDIST_STREAMED_STEP_BLOCKS sets it, to measure others.
-STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: STREAMED_BLOCK_BYTES
+STREAMED_BLOCK = 256 if language.INTERPRET else None  # None: by the rule in _streamed_block
 STREAMED_BLOCK_BYTES = 16384
 STREAMED_STEP_BLOCKS = 1
+# A share too short to give every program a block of STREAMED_BLOCK_BYTES (an all_reduce's
+# quarter of a few MB) is cut into smaller blocks, down to this many bytes, so that more programs
+# (SMs) move it; TDIST_STREAMED_MIN_BLOCK_BYTES sets it, to measure others (at 16384 every
+# block is 16 KB).
+STREAMED_MIN_BLOCK_BYTES = 16384
 # All-to-alls with split sizes: smaller blocks, more to a step (the same bytes per step), so that
 # a small share spreads over more programs (SMs).
 UNEVEN_BLOCK_BYTES = 4096
@@ -69,8 +74,14 @@ NO_TURNS = 1 << 30  # a ring larger than any share's blocks: no turns (and no ac
 NO_SHARE_LIMIT = 1 << 62
 
 
-def _streamed_block(dtype: torch.dtype) -> int:
-    return STREAMED_BLOCK or STREAMED_BLOCK_BYTES // dtype.itemsize
+def _streamed_block(dtype: torch.dtype, longest: int, min_bytes: int) -> int:
+    """Elements per block of a streamed launch whose longest share is ``longest`` elements: the
+    power of two that spreads it over every program, between ``min_bytes`` and
+    STREAMED_BLOCK_BYTES."""
+    if STREAMED_BLOCK:
+        return STREAMED_BLOCK
+    spread = 1 << max(-(-longest * dtype.itemsize // ONESHOT_PROGRAMS) - 1, 1).bit_length()
+    return max(min_bytes, min(spread, STREAMED_BLOCK_BYTES)) // dtype.itemsize
 
 
 def _uneven_block(dtype: torch.dtype) -> int:
@@ -262,7 +273,7 @@ class Executor:
         self._heap = None
         self._views = {}
         self._tables = {}
-        self._captured_tables = []  # (pinned values or None, device table): tables CUDA graphs use
+        self._captured_tables = {}  # values -> (pinned values or None, device table): tables CUDA graphs use
         self._stopped = None  # why this group can serve no more collectives
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
@@ -302,6 +313,11 @@ class Executor:
         if not steps.isdigit() or int(steps) < 1:  # ranks must agree on it too (they wait per step)
             raise ValueError(f"tdist: TDIST_STREAMED_STEP_BLOCKS={steps!r}; expected a whole number from 1")
         self.streamed_step_blocks = int(steps)
+        least = os.environ.get("TDIST_STREAMED_MIN_BLOCK_BYTES", str(STREAMED_MIN_BLOCK_BYTES))
+        if not least.isdigit() or not 16 <= int(least) <= STREAMED_BLOCK_BYTES or int(least) & (int(least) - 1):
+            raise ValueError(f"tdist: TDIST_STREAMED_MIN_BLOCK_BYTES={least!r}; expected a power of two "
+                             f"from 16 to {STREAMED_BLOCK_BYTES}")
+        self.streamed_min_block_bytes = int(least)  # ranks must agree on it (blocks are cut alike)
         self.overlap = os.environ.get("TDIST_OVERLAP", "auto").lower()
         if self.overlap not in OVERLAPS:
             raise ValueError(f"tdist: TDIST_OVERLAP={self.overlap!r}; expected one of {', '.join(OVERLAPS)}")
@@ -404,15 +420,18 @@ class Executor:
         key = tuple(values)
         table = self._tables.get(key)
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if capturing and table is not None:
-            self._captured_tables.append((None, table))  # the cache may drop it before the graph's last replay
-        elif capturing:
-            # a copy the graph makes at each replay (a blocking one may not be captured), from
-            # pinned memory kept as long as the group
-            host = torch.tensor(values, dtype=torch.int64).pin_memory()
-            table = torch.empty(len(values), dtype=torch.int64, device=device)
-            table.copy_(host, non_blocking=True)
-            self._captured_tables.append((host, table))
+        if capturing:
+            kept = self._captured_tables.get(key)
+            if kept is None:
+                if table is not None:  # written already; the cache may drop it before a graph's last replay
+                    kept = (None, table)
+                else:  # written by a copy each graph makes at each replay (a blocking one may not be captured)
+                    kept = (torch.tensor(values, dtype=torch.int64).pin_memory(),
+                            torch.empty(len(values), dtype=torch.int64, device=device))
+                self._captured_tables[key] = kept  # as long as the group; graphs share it (same values)
+            host, table = kept
+            if host is not None:
+                table.copy_(host, non_blocking=True)
         elif table is None:
             if len(self._tables) >= 256:
                 self._tables.clear()
@@ -511,10 +530,11 @@ class Executor:
         of whole 16-byte accesses."""
         dtype = dst.dtype
         reducing = mode in ("reduce_scatter", "all_reduce")
-        block = _streamed_block(dtype)
         part = -(-n // self.world_size)
         part = -(-part // _vector(dtype)) * _vector(dtype) if mode == "all_reduce" else 0
-        programs = max(1, min(ONESHOT_PROGRAMS, -(-(part if mode == "all_reduce" else n) // block)))
+        longest = part if mode == "all_reduce" else n
+        block = _streamed_block(dtype, longest, self.streamed_min_block_bytes)
+        programs = max(1, min(ONESHOT_PROGRAMS, -(-longest // block)))
         self._launch(op, streamed.streamed_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._streamed_flags, self._words, self._counter, n, stride, part,
