@@ -32,7 +32,7 @@ if [ "$what" = test ] || [ "$what" = all ]; then
     -q -s -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = soak ]; then
-  timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" 2>&1 | tee "$OUT/soak.log" || rc=1
+  timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" || rc=1
 fi
 if [ "$what" = badinput ]; then
   preload="${TMPDIR:-/tmp}/tdist_segv_backtrace.so"

@@ -3,7 +3,8 @@
     python -m torch_tdist.soak --nproc 3 --steps 300 [--max-bytes 4M] [--seed 1]
 
 Every rank draws the same sequence of calls from a shared seed (op, dtype, size from 1 byte
-to ``--max-bytes``, the whole group or a subgroup, async or not), builds every rank's input
+to ``--max-bytes``, the whole group or a subgroup, async or not; half the all-to-alls with
+random split sizes, some of them 0), builds every rank's input
 from per-rank seeds, runs the call and compares with plain torch ops. At the end it reports
 mismatches, and whether heap usage, heap mappings and /dev/shm entries stayed flat. Exit code
 0 only if nothing mismatched and nothing grew.
@@ -34,15 +35,26 @@ def _tdist_mappings() -> int:
 
 
 def _inputs(seed, ranks, numel, dtype, device):
+    """Every rank's input (``numel`` elements, or ``numel[i]`` for the i-th of ``ranks``)."""
     out = []
-    for r in ranks:  # (generated where they are used: the same numbers on every rank)
+    for i, r in enumerate(ranks):  # (generated where they are used: the same numbers on every rank)
         g = torch.Generator(device).manual_seed(seed * 7919 + r)
+        n = numel[i] if isinstance(numel, list) else numel
         if dtype.is_floating_point:
-            out.append(torch.randn(numel, generator=g, device=device).to(dtype))
+            out.append(torch.randn(n, generator=g, device=device).to(dtype))
         else:
             high = 100 if dtype == torch.uint8 else 1000
-            out.append(torch.randint(0, high, (numel,), generator=g, device=device).to(dtype))
+            out.append(torch.randint(0, high, (n,), generator=g, device=device).to(dtype))
     return out
+
+
+def _random_splits(rng, world, numel):
+    """Rows sent between every pair of ranks (``counts[s][d]``: s to d, a fifth of them none) and
+    the row length, about ``numel`` elements a rank in all: what MoE routing makes."""
+    row = rng.choice((1, 3, 64))
+    mean = max(1, numel // row // world)
+    counts = [[0 if rng.random() < 0.2 else rng.randint(1, 2 * mean) for _ in range(world)] for _ in range(world)]
+    return row, counts
 
 
 def _reduce(xs, name):
@@ -75,12 +87,16 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
     numel = max(world, nbytes // dtype.itemsize) // world * world
     root = rng.randrange(world)
     use_async = rng.random() < 0.3
+    splits = _random_splits(rng, world, numel) if op == "all_to_all_single" and rng.random() < 0.5 else None
     if rank not in members:
         return None
     me = members.index(rank)
+    chunk = numel // world
+    if splits:
+        row, counts = splits
+        numel = [sum(sent) * row for sent in counts]
     xs = _inputs(seed * 100003 + step, members, numel, dtype, device)
     x = xs[me]
-    chunk = numel // world
     global_root = members[root]
     if op == "all_gather_into_tensor":
         got = torch.empty(numel * world, dtype=dtype, device=device)
@@ -98,6 +114,11 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
         got = x.clone()
         work = dist.all_reduce(got, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
         want = _reduce(xs, reduce_name)
+    elif op == "all_to_all_single" and splits:  # split sizes, as MoE dispatch gives them
+        received = [counts[s][me] for s in range(world)]
+        got = torch.empty(sum(received), row, dtype=dtype, device=device)
+        work = dist.all_to_all_single(got, x.view(-1, row), received, counts[me], group=group, async_op=use_async)
+        want = torch.cat([xs[s].view(-1, row)[sum(counts[s][:me]):sum(counts[s][:me + 1])] for s in range(world)])
     elif op == "all_to_all_single":
         got = torch.empty_like(x)
         work = dist.all_to_all_single(got, x, group=group, async_op=use_async)
