@@ -179,7 +179,7 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 2e-2),
     torch.float64: (1e-12, 1e-12),
 }
-PRODUCT_BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
+PRODUCT_BOUNDS = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 class Checker:

@@ -104,6 +104,15 @@ def fused_ops_dispatch(rank, ws, seed):
                  f"scatter layout, batch {batch}", f"{got.stride()} and tdist's {plain.stride()}, torch's {want.stride()}")
         chk.products_close(got, want, f"scatter values, batch {batch}")
 
+    # dtypes tdist's ops do not take (float64) run torch's sequential form on the tdist group
+    a_shard = rand((2 * ws, DIM), torch.float64, rank_gen(seed, rank, 70))
+    b64 = rand((DIM, 8), torch.float64, shared_gen(seed, 71))
+    fused = dict(executor.fused_calls)
+    _, got = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b64], 0, name, return_A=False)
+    chk.products_close(got[0], _gathered(a_shard, 0, gloo_group) @ b64, "float64 gather")
+    got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a_shard, b64, "sum", 0, name)
+    chk.products_close(got, _scattered(a_shard @ b64, 0, "sum", gloo_group), "float64 scatter")
+    chk.true(dict(executor.fused_calls) == fused, "float64 not overlapped", f"{executor.fused_calls}")
     try:
         torch.ops.symm_mem.fused_matmul_reduce_scatter(b.new_ones(4, 4), b.new_ones(4, 4), "sum", 0,
                                                        gloo_group.group_name)

@@ -142,6 +142,18 @@ def first_collective(rank, ws):
     return t.tolist()
 
 
+def calls_on_a_heap_too_small(rank, ws):
+    """Two all_reduces on a group whose heap cannot hold its own buffers: what each raised."""
+    raised = []
+    for _ in range(2):
+        try:
+            dist.all_reduce(torch.randn(3))
+            raised.append(None)
+        except Exception as err:  # noqa: BLE001
+            raised.append(str(err))
+    return raised
+
+
 def a2a_inconsistent_splits(rank, ws):
     """Every rank sends 2 rows to every rank, but rank 1 expects 3 rows from rank 0
     (its own split lists are locally consistent)."""

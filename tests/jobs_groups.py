@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import torch_tdist
+from torch_tdist.backend import is_tdist_group
+
 from tests.common import (Checker, poison, rand, rank_gen, ref_reduce, shared_gen,
                           stats_diff, stats_snapshot)
 
@@ -153,6 +156,12 @@ def group_of_three(rank, ws, backend, seed):
     else:
         chk.true(g == dist.GroupMember.NON_GROUP_MEMBER, "non-member",
                  f"new_group returned {g!r} to a non-member")
+        chk.true(not is_tdist_group(g), "non-member", "is_tdist_group said True")
+        try:
+            torch_tdist.stats(g)
+            chk.true(False, "non-member stats()", "no error")
+        except ValueError as err:
+            chk.true("not a member" in str(err), "non-member stats() error", str(err))
     check_default_group(chk, seed)
     chk.done()
     return diff

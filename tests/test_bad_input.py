@@ -105,6 +105,24 @@ def test_bad_env_raises_at_group_creation(var, value):
 
 
 @pytest.mark.tdist_only
+def test_a_heap_too_small_raises_the_same_error_at_every_call():
+    """TDIST_HEAP_SIZE below what the group's own buffers take: every call raises an error that
+    names TDIST_HEAP_SIZE, the second as the first (each try makes a heap of its own, and
+    closes it), and nothing is left in /dev/shm."""
+    before = shm_segment_names()
+    pool = RankPool(2, backend_under_test(), env={"TDIST_HEAP_SIZE": "1K"}, name="RankPool(ws=2, heap 1K)")
+    try:
+        replies = pool.run(J.calls_on_a_heap_too_small, timeout=60)
+    finally:
+        pool.shutdown()
+    for rank, raised in enumerate(replies):
+        for call, message in enumerate(raised):
+            assert message and "TDIST_HEAP_SIZE" in message and "all_reduce" in message, \
+                f"rank {rank}, call {call}: {message!r}"
+    assert not shm_segment_names() - before, "segments left in /dev/shm"
+
+
+@pytest.mark.tdist_only
 def test_a2a_splits_inconsistent_across_ranks(pool3):
     """Split sizes that are consistent on each rank but disagree between ranks
     (rank 1 expects 3 rows from rank 0, which sends 2): the receiving rank must

@@ -128,3 +128,18 @@ def test_a_rank_killed_while_the_heap_is_set_up_leaves_nothing_in_dev_shm():
         assert outcome[0] == "raised", f"rank {rank}: the heap was set up although a peer was dead"
         assert outcome[3] <= TIMEOUT_S + SLACK_S, f"rank {rank}: raised after {outcome[3]:.1f} s"
     assert not (set(os.listdir("/dev/shm")) - before), "the dead rank's segment was left behind"
+
+
+def test_the_gpu_heap_rendezvous_waits_for_missing_ranks_no_longer_than_the_group_timeout():
+    """A CUDA group first asks where every rank runs (to pick a transport): a rank that never
+    comes makes the others raise at the group's timeout, not the store's (30 min by default)."""
+    import torch.distributed as dist
+
+    from torch_tdist.heap import _spans_nodes
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        _spans_nodes(store, "heap", 0, 2, timedelta(seconds=TIMEOUT_S))
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S

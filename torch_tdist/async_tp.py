@@ -15,9 +15,9 @@ Groups of other backends keep torch's kernels; importing this module changes not
 ``enable`` is called. ``served`` counts the fused regions tdist ran. ``enable`` also adds one
 Inductor pass of its own (``_RestoreGatherDims``) so that a batch-1 sequence-parallel gather of a
 tdist group is recognised by the micro-pipeline pass. Torch runs the pass only
-where it was built with NCCL (its GPU builds). Gathers along the last dimension and the fp8
-(scaled) forms are not overlapped by tdist: the first runs torch's sequential form on the tdist
-group, the second torch's symm_mem kernels.
+where it was built with NCCL (its GPU builds). Gathers along the last dimension, dtypes other
+than bf16, fp16 and fp32, and the fp8 (scaled) forms are not overlapped by tdist: the first two
+run torch's sequential form on the tdist group, the last torch's symm_mem kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import is_tdist_group
-from .ops import _group as _resolve_group, with_strides
+from .ops import DTYPES, _group as _resolve_group, with_strides
 
 __all__ = ["enable", "served"]
 
@@ -43,7 +43,6 @@ served = collections.Counter()  # symm_mem op name -> fused regions tdist's ops 
 
 _OVERRIDDEN_KEYS = ("CUDA", "CPU")
 _overrides = None  # the torch.library.Library holding the kernels, once enable() made them
-_tdist_names: dict[str, bool] = {}  # group name -> whether it is a tdist group
 
 
 def enable(group_or_mesh=None) -> None:
@@ -84,10 +83,8 @@ def _group(group_or_mesh):
 
 
 def _is_tdist(group_name: str) -> bool:
-    known = _tdist_names.get(group_name)
-    if known is None:
-        known = _tdist_names[group_name] = is_tdist_group(_resolve_group(group_name))
-    return known
+    # (asked at every call: torch gives a destroyed group's name to the next group it makes)
+    return is_tdist_group(_resolve_group(group_name))
 
 
 def _override_fused_ops():
@@ -126,7 +123,7 @@ def _kernel(key: str, tdist_form, torch_kernel_name: str):
 
 
 def _all_gather_matmul(a_shard, bs, gather_dim, group_name, *, return_A=True):
-    if gather_dim % a_shard.dim() == a_shard.dim() - 1:
+    if gather_dim % a_shard.dim() == a_shard.dim() - 1 or a_shard.dtype not in DTYPES:
         return symm_mem._fused_all_gather_matmul_fallback(a_shard, bs, gather_dim, group_name,
                                                           return_A=return_A)
     a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_A)
@@ -136,7 +133,7 @@ def _all_gather_matmul(a_shard, bs, gather_dim, group_name, *, return_A=True):
 
 
 def _matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
-    if scatter_dim % a.dim() == a.dim() - 1:
+    if scatter_dim % a.dim() == a.dim() - 1 or a.dtype not in DTYPES:
         return symm_mem._fused_matmul_reduce_scatter_fallback(a, b, reduce_op, scatter_dim, group_name)
     out = torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
     return with_strides(out, _torch_layout("fused_matmul_reduce_scatter", a, b, reduce_op, scatter_dim, group_name))
@@ -153,7 +150,7 @@ def _torch_layout(op: str, *args):
             return ("tensor", tuple(x.shape), x.stride(), x.dtype)
         return tuple(map(described, x)) if isinstance(x, (list, tuple)) else x
 
-    key = (op, described(args))
+    key = (op, described(args), _resolve_group(args[-1]).size())  # (the last: the group's name)
     strides = _layouts.get(key)
     if strides is None:
         def meta(x):

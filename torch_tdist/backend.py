@@ -104,6 +104,9 @@ def _unwrap(backend):
 
 
 def _tdist_backend(group=None) -> _C.ProcessGroupTDist:
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("torch_tdist: this rank is not a member of the group (new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER to it)")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     found = []
     for device in DEVICES:

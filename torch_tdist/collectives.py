@@ -271,6 +271,7 @@ class Executor:
         self._lanes = triton.next_power_of_2(world_size)  # kernels signal every rank at once, a lane each
         self.group_name = "?"  # set by the C++ backend once torch names the group
         self._heap = None
+        self._heaps_made = 0
         self._views = {}
         self._tables = {}
         self._captured_tables = {}  # values -> (pinned values or None, device table): tables CUDA graphs use
@@ -357,8 +358,21 @@ class Executor:
                     f"{self._heap.device} (one device per rank and group)")
             return
         nbytes = self.heap_bytes or DEFAULT_HEAP_BYTES[device.type]
-        heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout,
-                             device=device, transport=self.transport, abort_address=self.abort_word_address)
+        # each heap its own store keys: a peer could still read the handles of one that failed
+        self._heaps_made += 1
+        heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout, device=device,
+                             transport=self.transport, key=f"tdist_heap_{self._heaps_made}",
+                             abort_address=self.abort_word_address)
+        try:
+            self._lay_out(heap, nbytes)
+        except BaseException:  # (a heap too small for the group's own buffers)
+            heap.close()
+            raise
+        self._heap = heap
+        self._publish_signal_regions()
+
+    def _lay_out(self, heap: SymmetricHeap, nbytes: int):
+        """Allocate the group's own buffers on a new heap."""
         world = self.world_size
         self._signals = heap.empty(staged.signal_slots(world), torch.int64)
         self._header = heap.empty(staged.HEADER_FIXED.value, torch.int64)
@@ -382,8 +396,6 @@ class Executor:
         self._stage_bytes = nbytes // 4
         self._stage_offset = heap.alloc(self._stage_bytes)
         self._empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
-        self._heap = heap
-        self._publish_signal_regions()
 
     def _default_device(self) -> torch.device:
         if self._heap is not None:

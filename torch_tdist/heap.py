@@ -230,7 +230,7 @@ class _NvshmemSegment(_CudaSegment):
 
     @classmethod
     def allocate(cls, store, key: str, rank: int, world_size: int, nbytes: int,
-                 device: torch.device) -> list:
+                 device: torch.device, timeout: timedelta) -> list:
         """Every rank of a group that spans the whole job calls it, in the same order."""
         from . import _C
 
@@ -252,7 +252,7 @@ class _NvshmemSegment(_CudaSegment):
         _check(_cudart(device).cudaMemset(address, 0, nbytes), "cudaMemset")
         _check(_cudart(device).cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         store.set(f"{key}/zeroed/{rank}", "1")  # no peer writes here before the zeros land
-        store.wait([f"{key}/zeroed/{peer}" for peer in range(world_size)])
+        store.wait([f"{key}/zeroed/{peer}" for peer in range(world_size)], timeout)
         segments = []
         for peer in range(world_size):
             mapped = address if peer == rank else _C.nvshmem_ptr(address, peer)
@@ -285,8 +285,9 @@ def nvshmem_host_library() -> str:
     return "libnvshmem_host.so.3"
 
 
-def _spans_nodes(store, key: str, rank: int, world_size: int) -> bool:
+def _spans_nodes(store, key: str, rank: int, world_size: int, timeout: timedelta) -> bool:
     store.set(f"{key}/host/{rank}", socket.gethostname())
+    store.wait([f"{key}/host/{peer}" for peer in range(world_size)], timeout)  # (the group's timeout)
     return len({store.get(f"{key}/host/{peer}") for peer in range(world_size)}) > 1
 
 
@@ -313,10 +314,10 @@ class SymmetricHeap:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         spans_nodes = transport == "auto" and self.device.type == "cuda" and _spans_nodes(
-            store, key, rank, world_size)
+            store, key, rank, world_size, timeout)
         self.transport = resolve_transport(transport, self.device, spans_nodes)
         if self.transport == "nvshmem":
-            self._segments = _NvshmemSegment.allocate(store, key, rank, world_size, nbytes, self.device)
+            self._segments = _NvshmemSegment.allocate(store, key, rank, world_size, nbytes, self.device, timeout)
         else:
             self._segments = self._map_segments(_SEGMENTS[self.transport], store, key, timeout)
         addresses = [s.bytes.data_ptr() for s in self._segments]
