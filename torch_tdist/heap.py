@@ -11,6 +11,7 @@ P2P peers mapped with ``nvshmem_ptr``; kernels reach other nodes with the NVSHME
 ``torch_tdist.shmem_device``).
 """
 
+import ctypes
 import glob
 import mmap
 import os
@@ -330,6 +331,7 @@ class SymmetricHeap:
         ctx[language.CTX_WORLD.value] = world_size
         ctx[language.CTX_TIMEOUT_MS.value] = int(timeout.total_seconds() * 1000)
         self.abort_address = abort_address if self.device.type == "cpu" else 0
+        self._abort_word = abort_address  # (host memory, on every device)
         self._mapped_abort_page = None
         if abort_address and self.device.type == "cuda":
             cudart = _cudart(self.device)
@@ -417,7 +419,10 @@ class SymmetricHeap:
 
     def close(self):
         _LIVE_HEAPS.discard(self)
+        aborted = bool(self._abort_word) and ctypes.c_int64.from_address(self._abort_word).value != 0
         for seg in self._segments:
+            if aborted and isinstance(seg, _NvshmemSegment):
+                continue  # (left allocated: NVSHMEM's free waits for every PE, and one may be dead)
             seg.close()
         self._segments = []
         if self._mapped_abort_page is not None:
