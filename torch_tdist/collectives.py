@@ -87,6 +87,13 @@ def _streamed_block(dtype: torch.dtype, longest: int, min_bytes: int) -> int:
 def _uneven_block(dtype: torch.dtype) -> int:
     return STREAMED_BLOCK or UNEVEN_BLOCK_BYTES // dtype.itemsize
 
+
+def _turns_slot_bytes(dtype: torch.dtype) -> int:
+    """The smallest mailbox slot in which streamed_all_to_all_v_kernel moves shares larger than a
+    slot in turns: room for two steps of every program."""
+    return 2 * UNEVEN_STEP_BLOCKS * ONESHOT_PROGRAMS * _uneven_block(dtype) * dtype.itemsize
+
+
 # GPU messages (bytes per rank) up to which tdist's kernels serve each op; larger ones go to
 # NCCL (counted as fallback in stats()), because there tdist measured slower than 0.9x NCCL.
 # Measured on a quiet host, where NCCL's small calls take 17-21 us back to back (on busier
@@ -340,8 +347,9 @@ class Executor:
         """Blocks of each program's ring in a mailbox slot where streamed_all_to_all_v_kernel
         moves shares larger than a slot in turns (it needs room for two steps); None where it
         takes none (the one-shot kernel serves, or the heap is too small)."""
-        ring = self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _uneven_block(dtype))
-        return ring if self._takes("streamed", "all_to_all_v", 0) and ring >= 2 * UNEVEN_STEP_BLOCKS else None
+        if not self._takes("streamed", "all_to_all_v", 0) or self._slot_bytes < _turns_slot_bytes(dtype):
+            return None
+        return self._slot_bytes // dtype.itemsize // (ONESHOT_PROGRAMS * _uneven_block(dtype))
 
     def uneven_share_limit(self, tensor: torch.Tensor) -> int:
         """The most elements an all-to-all with split sizes of ``tensor``'s dtype may send one rank:
@@ -927,8 +935,8 @@ class Executor:
         if sent != send_counts or received != recv_counts:
             turns = ""
             if self._takes("streamed", "all_to_all_v", 0):
-                slot = 2 * UNEVEN_STEP_BLOCKS * ONESHOT_PROGRAMS * _uneven_block(src.dtype) * src.element_size()
-                turns = (f", and from {-(-slot * 8 * self.world_size // (1 << 20))} MB on larger shares go in "
+                heap = _turns_slot_bytes(src.dtype) * 8 * self.world_size
+                turns = (f", and from {-(-heap // (1 << 20))} MB on larger shares go in "
                          f"turns, whatever their size")
             too_large = {r for r, c in enumerate(send_counts) if c > capacity}
             too_large |= {r for r, c in enumerate(recv_counts) if c > capacity}
