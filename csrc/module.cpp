@@ -84,6 +84,21 @@ PYBIND11_MODULE(_C, m) {
           &ProcessGroupTDist::abort,
           py::call_guard<py::gil_scoped_release>(),
           "Abort the group: its waits give up and every later call raises.")
+      .def(
+          "check_open",
+          &ProcessGroupTDist::checkOpen,
+          py::arg("op"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Raise the error later calls get once the group was aborted.")
+      .def(
+          "watch_queued",
+          &ProcessGroupTDist::watchQueued,
+          py::arg("op"),
+          py::arg("device"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Watch the work `op` (all_gather_matmul or matmul_reduce_scatter) "
+          "queued on the CUDA device's current stream, as the group's calls "
+          "are: the group is aborted if it does not finish within the timeout.")
       .def_property_readonly(
           "abort_word_address", &ProcessGroupTDist::abortWordAddress)
       .def_property_readonly("executor", &ProcessGroupTDist::executor)

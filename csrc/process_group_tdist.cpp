@@ -37,6 +37,9 @@ constexpr const char* kOpNames[kNumOps] = {
     "recv",
 };
 
+// The calls torch_tdist.ops queues from Python (ProcessGroupTDist::watchQueued).
+constexpr const char* kQueuedOps[] = {"all_gather_matmul", "matmul_reduce_scatter"};
+
 // The profiler keeps the title pointer, so these must be static strings.
 constexpr const char* kProfilingTitles[kNumOps] = {
     "tdist:all_gather_into_tensor",
@@ -626,17 +629,23 @@ void ProcessGroupTDist::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void ProcessGroupTDist::abort() {
-  abortWith("abort() was called");
+  const std::string reason = "abort() was called";
+  watchdog().failAll([&] {
+    abortWith(reason);
+    return c10::str("tdist: group '", getGroupUid(), "' was aborted (", reason, ") before this call finished");
+  });
+  abortWith(reason); // (no-op but for the word when the watchdog aborted the group first)
   for (auto& entry : fallbacks_) {
     entry.second->abort();
   }
 }
 
-void ProcessGroupTDist::abortWith(const std::string& reason) {
+void ProcessGroupTDist::abortWith(const std::string& reason, bool final) {
   {
     std::lock_guard<std::mutex> lock(abortMutex_);
     if (!aborted_.load()) {
       abortReason_ = reason;
+      abortReasonFinal_ = final;
       aborted_.store(true, std::memory_order_release);
     }
   }
@@ -656,7 +665,7 @@ std::string ProcessGroupTDist::abortOverrun(
   std::string head = c10::str(
       "tdist ", op, ": (rank ", rank_, " of ", size_, ", group '", getGroupUid(),
       "') did not finish within the group's timeout (", timeout.count() / 1000.0, " s)");
-  abortWith(head);
+  abortWith(head, /*final=*/false);
   std::vector<int> late = latePeers();
   std::string reason = head;
   if (late.empty()) {
@@ -665,8 +674,12 @@ std::string ProcessGroupTDist::abortOverrun(
     reason += ": rank(s) " + c10::Join(", ", late) +
         " did not arrive (died, or made another call); the group was aborted";
   }
-  std::lock_guard<std::mutex> lock(abortMutex_);
-  abortReason_ = reason;
+  {
+    std::lock_guard<std::mutex> lock(abortMutex_);
+    abortReason_ = reason;
+    abortReasonFinal_ = true;
+  }
+  abortReasonFinished_.notify_all();
   return reason;
 }
 
@@ -705,15 +718,52 @@ std::vector<int> ProcessGroupTDist::latePeers() const {
   return {late.begin(), late.end()};
 }
 
-void ProcessGroupTDist::checkNotAborted(Op op) const {
+void ProcessGroupTDist::checkNotAborted(const char* op) const {
   if (!aborted_.load(std::memory_order_acquire)) {
     return;
   }
-  std::lock_guard<std::mutex> lock(abortMutex_);
+  std::unique_lock<std::mutex> lock(abortMutex_);
+  // (a peer's late arrival being worked out: at most a second)
+  abortReasonFinished_.wait(lock, [this] { return abortReasonFinal_; });
   C10_THROW_ERROR(
       DistBackendError,
-      prefix(op) + "this group was aborted (" + abortReason_ +
-          "); destroy it and create a new one");
+      c10::str("tdist ", op, ": this group was aborted (", abortReason_,
+               "); destroy it and create a new one"));
+}
+
+void ProcessGroupTDist::checkOpen(const std::string& op) const {
+  checkNotAborted(op.c_str());
+}
+
+void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex device) {
+  const char* name = nullptr;
+  for (const char* queued : kQueuedOps) {
+    name = op == queued ? queued : name; // (the watchdog keeps the pointer)
+  }
+  TORCH_CHECK_VALUE(name, "tdist: watch_queued: no queued op named '", op, "'");
+  auto stream = currentStream(c10::Device(c10::kCUDA, device));
+  if (captureId(stream) != 0) {
+    return;
+  }
+  auto work = c10::make_intrusive<TDistWork>(
+      rank_, OpType::UNKNOWN, nullptr, std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
+  work->startOnStream(stream, events_, false, 0);
+  work->markDone(); // (its end recorded on `stream`)
+  watch(work, name);
+}
+
+Watchdog& ProcessGroupTDist::watchdog() {
+  std::call_once(watchdogStarted_, [this] {
+    watchdog_ = std::make_unique<Watchdog>(
+        [this](const char* name, std::chrono::milliseconds timeout) {
+          return abortOverrun(name, timeout);
+        });
+  });
+  return *watchdog_;
+}
+
+void ProcessGroupTDist::watch(const c10::intrusive_ptr<TDistWork>& work, const char* op) {
+  watchdog().watch(work, timeout_, op);
 }
 
 void ProcessGroupTDist::shutdown() {
@@ -903,7 +953,7 @@ void ProcessGroupTDist::setGpuUnevenAllToAll(bool served) {
 
 c10d::Backend& ProcessGroupTDist::fallbackFor(Op op, c10::DeviceType type)
     const {
-  checkNotAborted(op);
+  checkNotAborted(opName(op));
   auto it = fallbacks_.find(type);
   TORCH_CHECK(
       it != fallbacks_.end(),
@@ -1074,7 +1124,7 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     const std::vector<at::Tensor>& outputs,
     bool asyncOp,
     std::optional<c10::Device> device) {
-  checkNotAborted(op);
+  checkNotAborted(opName(op));
   auto work = c10::make_intrusive<TDistWork>(
       rank_, type, kProfilingTitles[static_cast<int>(op)], inputs, outputs);
   if (!device) {
@@ -1117,13 +1167,7 @@ WorkPtr ProcessGroupTDist::finishWork(
   }
   if (work->watchable()) {
     lastEager_ = {work->stream(), work->end(), 0};
-    std::call_once(watchdogStarted_, [this] {
-      watchdog_ = std::make_unique<Watchdog>(
-          [this](const char* name, std::chrono::milliseconds timeout) {
-            return abortOverrun(name, timeout);
-          });
-    });
-    watchdog_->watch(work, timeout_, opName(op));
+    watch(work, opName(op));
   }
   return work;
 }

@@ -179,14 +179,24 @@ class ProcessGroupTDist : public c10d::Backend {
     return seq_.load();
   }
   // Both forward to the fallbacks; shutdown() first calls executor.close()
-  // when the executor has one.
+  // when the executor has one. abort() also fails the works the watchdog
+  // watches (their wait() raises).
   void abort() override;
-  // Sets the abort word (waits give up) and makes every later call raise.
-  void abortWith(const std::string& reason);
+  // Sets the abort word (waits give up) and makes every later call raise
+  // with `reason`; one not `final` yet holds them until the watchdog
+  // completes it (abortOverrun).
+  void abortWith(const std::string& reason, bool final = true);
   // The watchdog's handler for a call of `op` that overran `timeout`: aborts
   // the group, names the peers that GPU waits giving up still lacked, and
   // returns the error.
   std::string abortOverrun(const char* op, std::chrono::milliseconds timeout);
+  // For the calls torch_tdist.ops queues from Python (kQueuedOps): raises
+  // the error later calls get once the group was aborted, and watches the
+  // work queued on `device`'s current stream until now, as the group's own
+  // calls are (not counted in stats(); nothing is watched in a CUDA graph
+  // capture).
+  void checkOpen(const std::string& op) const;
+  void watchQueued(const std::string& op, c10::DeviceIndex device);
   uintptr_t abortWordAddress() const {
     return reinterpret_cast<uintptr_t>(abortWord_);
   }
@@ -420,8 +430,13 @@ class ProcessGroupTDist : public c10d::Backend {
   std::vector<int> latePeers() const;
   std::atomic<bool> aborted_{false};
   std::string abortReason_; // set before aborted_ (the watchdog adds to it)
+  bool abortReasonFinal_ = false;
   mutable std::mutex abortMutex_;
-  void checkNotAborted(Op op) const;
+  mutable std::condition_variable abortReasonFinished_;
+  void checkNotAborted(const char* op) const;
+  // Started by the first call that needs it.
+  Watchdog& watchdog();
+  void watch(const c10::intrusive_ptr<TDistWork>& work, const char* op);
   // last: destroyed (its thread stopped) before what its handler touches
   std::once_flag watchdogStarted_;
   std::unique_ptr<Watchdog> watchdog_;

@@ -28,7 +28,7 @@ void Watchdog::watch(
     std::chrono::milliseconds timeout,
     const char* op) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (overran_) {
+  if (failed_) {
     return;
   }
   watched_.push_back(
@@ -43,44 +43,65 @@ void Watchdog::run() {
   // capture (a "global" capture forbids them in every thread otherwise).
   relaxThreadCaptureMode();
   std::unique_lock<std::mutex> lock(mutex_);
+  std::vector<c10::intrusive_ptr<TDistWork>> finished;
   while (!stop_) {
     wake_.wait_for(lock, kPoll);
     auto now = std::chrono::steady_clock::now();
-    const Watched* overrun = nullptr;
+    const char* overran = nullptr; // the op of a work past its deadline
+    std::chrono::milliseconds timeout{};
     for (auto it = watched_.begin(); it != watched_.end();) {
       if (it->work->finishedOnDevice()) {
+        finished.push_back(std::move(it->work));
         it = watched_.erase(it);
       } else if (now > it->deadline) {
-        overrun = &*it;
+        overran = it->op;
+        timeout = it->timeout;
         break;
       } else {
         ++it;
       }
     }
-    if (!overrun) {
+    if (!finished.empty()) {
+      // Their tensors may be the last references to Python tensors, whose
+      // freeing takes the GIL: never while holding the lock, which a thread
+      // holding the GIL may be waiting for in watch().
+      lock.unlock();
+      finished.clear();
+      lock.lock();
+    }
+    if (!overran) {
       continue;
     }
-    const char* op = overrun->op;
-    auto timeout = overrun->timeout;
-    overran_ = true;
-    std::vector<c10::intrusive_ptr<TDistWork>> failed;
-    for (auto& w : watched_) {
-      if (!w.work->finishedOnDevice()) { // (those that did finish succeeded)
-        failed.push_back(std::move(w.work));
-      }
-    }
-    watched_.clear();
     lock.unlock();
-    for (auto& work : failed) {
-      work->failing(); // before the abort lets the device finish them
-    }
-    std::string reason = onOverrun_(op, timeout);
-    for (auto& work : failed) {
-      work->fail(reason);
-    }
-    failed.clear(); // (tensors freed here, without the lock)
+    failAll([&] { return onOverrun_(overran, timeout); });
     lock.lock();
   }
+}
+
+bool Watchdog::failAll(const std::function<std::string()>& abortGroup) {
+  std::list<Watched> watched;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failed_) {
+      return false;
+    }
+    failed_ = true;
+    watched.swap(watched_);
+  }
+  std::vector<c10::intrusive_ptr<TDistWork>> failed;
+  for (auto& w : watched) {
+    if (!w.work->finishedOnDevice()) { // (those that did finish succeeded)
+      failed.push_back(w.work);
+    }
+  }
+  for (auto& work : failed) {
+    work->failing(); // before the abort lets the device finish them
+  }
+  std::string reason = abortGroup();
+  for (auto& work : failed) {
+    work->fail(reason);
+  }
+  return true; // (the works are freed here, without the lock: see run())
 }
 
 } // namespace tdist

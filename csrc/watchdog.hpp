@@ -3,7 +3,8 @@
 // died, or made another call, and a kernel waits for it), it calls the
 // group's overrun handler once (which sets the abort word: the kernels' waits
 // give up and later calls raise; it returns the whole error) and fails every
-// watched work with that error, so that their wait() raises.
+// watched work with that error, so that their wait() raises. abort() fails
+// them the same way (failAll).
 #pragma once
 
 #include <chrono>
@@ -39,6 +40,13 @@ class Watchdog {
       std::chrono::milliseconds timeout,
       const char* op);
 
+  // Fails every watched work that has not finished with the error
+  // `abortGroup()` returns; abortGroup aborts the group (which lets the device
+  // finish them) and runs while their wait() holds. Once: it returns false,
+  // doing nothing, when the works were failed already (an overrun, or an
+  // earlier call), and later works are not watched.
+  bool failAll(const std::function<std::string()>& abortGroup);
+
  private:
   struct Watched {
     c10::intrusive_ptr<TDistWork> work;
@@ -54,7 +62,7 @@ class Watchdog {
   std::condition_variable wake_;
   std::list<Watched> watched_;
   bool stop_ = false;
-  bool overran_ = false;
+  bool failed_ = false; // failAll() ran
   std::thread thread_; // last: starts after the members above exist
 };
 

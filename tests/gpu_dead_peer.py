@@ -1,16 +1,21 @@
-"""A rank killed (SIGKILL) in the middle of collectives on CUDA tensors: every survivor raises
-within the group's timeout + 10 s, no kernel keeps spinning, and its process exits.
+"""A rank killed (SIGKILL) in the middle of collectives and overlapped ops on CUDA tensors:
+every survivor raises within the group's timeout + 10 s, no kernel keeps spinning, its groups
+are destroyed and its process exits.
 
 Rank TDIST_DEAD_RANK (1 by default: not the last, so that a wrong slot does not name the dead
 rank by chance) takes part in one call of every case (on one tdist group per case), then kills
 itself. The others then make each call once more: the call's kernel waits for the dead rank, the
 group's watchdog aborts the group at its timeout, the kernel gives up (naming the rank it still
-lacked), and ``work.wait()`` and any later call raise, naming the dead rank. Started by tests/test_gpu.py as plain processes (torchrun would stop the survivors
-as soon as one rank dies); prints one line per op and exits 0 when every check held.
+lacked), and ``work.wait()`` (collectives) and any later call raise, naming the dead rank.
+Before that, while every rank lives, rank 0 checks that ``abort()`` fails a call still waiting
+for peers (its ``wait()`` raises). Started by tests/test_gpu.py as plain processes (torchrun
+would stop the survivors as soon as one rank dies); prints one line per case and exits 0 when
+every check held.
 
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python -m tests.gpu_dead_peer
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -23,28 +28,46 @@ import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-mult
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import torch_tdist  # noqa: E402,F401
+import torch_tdist.ops  # noqa: E402
+from torch_tdist.backend import _tdist_backend  # noqa: E402
 
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
-# name: (op, elements per rank, TDIST_ALGORITHM for its group). The small ones run the one-shot
-# kernels; 16 MB of all_reduce the streamed kernel ("streamed" forces it on reduce_scatter); "bulk"
-# forces the bulk path: all_gather's pulls (whose barriers wait in a kernel) and the other ops' pushes.
+# name: (op, elements per rank (rows of A per rank for the overlapped ops), its group's environment).
+# The small ones run the one-shot kernels; 16 MB of all_reduce the streamed kernel ("streamed"
+# forces it on reduce_scatter); "bulk" forces the bulk path: all_gather's pulls (whose barriers
+# wait in a kernel) and the other ops' pushes. The overlapped ops (torch_tdist.ops) queue their
+# kernels with no c10d Work: the group's watchdog watches them all the same.
 CASES = {
-    "all_gather": ("all_gather", 4096, "auto"),
-    "reduce_scatter": ("reduce_scatter", 4096, "auto"),
-    "all_reduce": ("all_reduce", 4096, "auto"),
-    "all_to_all": ("all_to_all", 4096, "auto"),
-    "all_gather 64 MB, bulk": ("all_gather", 16 << 20, "bulk"),
-    "all_reduce 16 MB": ("all_reduce", 1 << 20, "auto"),
-    "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, "streamed"),
-    "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, "bulk"),
-    "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, "bulk"),
+    "all_gather": ("all_gather", 4096, {}),
+    "reduce_scatter": ("reduce_scatter", 4096, {}),
+    "all_reduce": ("all_reduce", 4096, {}),
+    "all_to_all": ("all_to_all", 4096, {}),
+    "all_gather 64 MB, bulk": ("all_gather", 16 << 20, {"TDIST_ALGORITHM": "bulk"}),
+    "all_reduce 16 MB": ("all_reduce", 1 << 20, {}),
+    "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "streamed"}),
+    "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "bulk"}),
+    "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, {"TDIST_ALGORITHM": "bulk"}),
+    "all_gather_matmul, fused": ("all_gather_matmul", 256, {"TDIST_OVERLAP": "fused"}),
+    "all_gather_matmul, pipelined": ("all_gather_matmul", 256, {"TDIST_OVERLAP": "pipelined"}),
+    "matmul_reduce_scatter, fused": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "fused"}),
+    "matmul_reduce_scatter, pipelined": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "pipelined"}),
 }
+K = N = 512  # the overlapped ops' matrices: A [rows, K] @ B [K, N]
+DESTROY_S = 60  # a survivor's groups must be destroyed within this
 
 
 def _call(case, group, world, device):
+    """The case's call: its Work (collectives), None (overlapped ops, queued on the stream)."""
     op, n, _ = CASES[case]
+    if op == "all_gather_matmul":
+        torch_tdist.ops.all_gather_matmul(torch.randn(n, K, device=device), torch.randn(K, N, device=device),
+                                          group=group)
+        return None
+    if op == "matmul_reduce_scatter":
+        torch_tdist.ops.matmul_reduce_scatter(torch.randn(n * world, K, device=device),
+                                              torch.randn(K, N, device=device), group=group)
+        return None
     if op == "all_gather":
         x = torch.randn(n, device=device)
         return dist.all_gather_into_tensor(torch.empty(world * n, device=device), x, group=group, async_op=True)
@@ -56,12 +79,36 @@ def _call(case, group, world, device):
     return dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)
 
 
-def _group(algorithm):
-    os.environ["TDIST_ALGORITHM"] = algorithm  # (read once, by the group's executor)
+def _group(env: dict):
+    os.environ.update(env)  # (read once, by the group's executor)
     try:
         return dist.new_group(backend="tdist", timeout=timedelta(seconds=TIMEOUT_S))
     finally:
-        del os.environ["TDIST_ALGORITHM"]
+        for name in env:
+            del os.environ[name]
+
+
+def _abort_fails_a_waiting_call(rank, world, device) -> list[str]:
+    """Rank 0 starts an all_reduce the others never join and calls ``abort()``: the call's
+    ``wait()`` raises, and its kernel gives up. Returns the failures (rank 0's)."""
+    group = _group({})
+    x = torch.randn(4096, device=device)
+    dist.all_reduce(x, group=group)  # every rank: the heap exists, the kernel is compiled
+    torch.cuda.synchronize()
+    if rank != 0:
+        return []
+    work = dist.all_reduce(x, group=group, async_op=True)
+    time.sleep(1)
+    start = time.monotonic()
+    _tdist_backend(group).abort()
+    try:
+        work.wait()
+        failures = ["abort(): the waiting call's wait() did not raise"]
+    except Exception as err:
+        failures = [] if "abort() was called" in str(err) else [f"abort(): wait() raised {err}"]
+    torch.cuda.synchronize()
+    print(f"rank {rank}: abort() ended the waiting call in {time.monotonic() - start:.1f} s", flush=True)
+    return failures
 
 
 def main():
@@ -69,26 +116,31 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    groups = {case: _group(algorithm) for case, (_, _, algorithm) in CASES.items()}
-    for case in CASES:  # heaps made, kernels compiled, while every rank is alive
-        _call(case, groups[case], world, device).wait()
+    failures = _abort_fails_a_waiting_call(rank, world, device)
+    groups = {case: _group(env) for case, (_, _, env) in CASES.items()}
+    for case in CASES:  # heaps made, kernels compiled (and the overlapped ops' programs recorded)
+        for _ in range(2):
+            work = _call(case, groups[case], world, device)
+            if work is not None:
+                work.wait()
     torch.cuda.synchronize()
     dist.barrier()
     if rank == VICTIM:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1)
-    failures = []
     dead = f"rank(s) {VICTIM} did not arrive"
     for case, (op, _, _) in CASES.items():
         start = time.monotonic()
         work = _call(case, groups[case], world, device)
         torch.cuda.synchronize()  # returns once the watchdog aborted the group and the kernel gave up
-        try:
-            work.wait()
-            failures.append(f"{case}: work.wait() did not raise")
-            continue
-        except Exception as err:
-            message = str(err).splitlines()[0]
+        message = None
+        if work is not None:
+            try:
+                work.wait()
+                failures.append(f"{case}: work.wait() did not raise")
+                continue
+            except Exception as err:
+                message = str(err).splitlines()[0]
         elapsed = time.monotonic() - start
         try:
             _call(case, groups[case], world, device)
@@ -96,14 +148,21 @@ def main():
         except Exception as err:
             if "aborted" not in str(err) or dead not in str(err):
                 failures.append(f"{case}: a later call raised something else: {err}")
+            message = message or str(err).splitlines()[0]  # (the overlapped ops: the reason it names)
         if (elapsed > TIMEOUT_S + 10 or op not in message or "timeout" not in message or dead not in message
                 or f"group '{groups[case].group_name}'" not in message):
             failures.append(f"{case}: raised after {elapsed:.1f} s: {message}")
         print(f"rank {rank}: {case} raised after {elapsed:.1f} s: {message}", flush=True)
+    faulthandler.dump_traceback_later(DESTROY_S, exit=True)  # a destroy that hangs fails, with its stack
+    start = time.monotonic()
+    for group in groups.values():
+        dist.destroy_process_group(group)
+    faulthandler.cancel_dump_traceback_later()
+    print(f"rank {rank}: its {len(groups)} aborted groups destroyed in {time.monotonic() - start:.1f} s", flush=True)
     print(f"rank {rank}: {'FAILED: ' + '; '.join(failures) if failures else 'every survivor check held'}",
           flush=True)
     sys.stdout.flush()
-    os._exit(1 if failures else 0)  # (no teardown: gloo and NCCL would wait for the dead rank)
+    os._exit(1 if failures else 0)  # (no teardown: gloo would wait for the dead rank)
 
 
 if __name__ == "__main__":

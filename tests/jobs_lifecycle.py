@@ -37,11 +37,13 @@ def subgroup_cycles(rank, ws, cycles, seed):
 def abort_unblocks_a_waiting_call(rank, ws):
     """On a fresh subgroup, rank 0 starts an all_reduce the others never join and aborts the
     group from another thread 1 s later. Returns (first call's error, seconds it waited, the
-    errors of a later all_reduce and a later fallback call) on rank 0, None elsewhere."""
+    errors of a later all_reduce, a later fallback call and a later overlapped
+    all_gather_matmul) on rank 0, None elsewhere."""
     import threading
     import time
 
-    from torch_tdist.backend import _tdist_backend
+    import torch_tdist.ops
+    from torch_tdist.backend import _tdist_backend, get_executor
 
     g = dist.new_group(backend="tdist")
     x = torch.ones(1000)
@@ -50,12 +52,14 @@ def abort_unblocks_a_waiting_call(rank, ws):
     if rank != 0:
         time.sleep(3)
         return None
+    get_executor(g).overlap = "fused"  # (the CPU's default runs the sequential path's collective)
     threading.Timer(1.0, _tdist_backend(g).abort).start()
     errors = []
     start = time.monotonic()
     for call in (lambda: dist.all_reduce(x, group=g),
                  lambda: dist.all_reduce(x, group=g),
-                 lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), group=g)):  # Gloo's
+                 lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64), group=g),  # Gloo's
+                 lambda: torch_tdist.ops.all_gather_matmul(torch.randn(4, 8), torch.randn(8, 8), group=g)):
         try:
             call()
             errors.append("no error")
@@ -63,4 +67,4 @@ def abort_unblocks_a_waiting_call(rank, ws):
             errors.append(f"{type(err).__name__}: {err}")
         if len(errors) == 1:
             waited = time.monotonic() - start
-    return errors[0], waited, errors[1], errors[2]
+    return errors[0], waited, errors[1], errors[2], errors[3]

@@ -75,18 +75,20 @@ def test_gpu_bad_input():
 
 
 @pytest.mark.timeout(360)
-def test_gpu_dead_peer():
+@pytest.mark.parametrize("transport", ["cuda", "nvshmem"])
+def test_gpu_dead_peer(transport):
     """A rank SIGKILLed among 4 (2 if fewer GPUs): the survivors' all_gather, reduce_scatter,
-    all_reduce and all_to_all (one-shot kernels, and the bulk path's pulls and pushes) raise
-    within the timeout + 10 s naming the dead rank, and their processes exit
+    all_reduce and all_to_all (one-shot kernels, and the bulk path's pulls and pushes) and
+    torch_tdist.ops' overlapped ops raise within the timeout + 10 s naming the dead rank, their
+    groups are destroyed, and their processes exit; before, abort() failed a waiting call
     (tests/gpu_dead_peer.py)."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": "cuda", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29500 + os.getpid() % 1000), "WORLD_SIZE": str(world),
-           "TDIST_DEAD_RANK": str(DEAD_RANK)}
+    port = 29500 + os.getpid() % 1000 + 1000 * (transport == "nvshmem")
+    env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": transport, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "TDIST_DEAD_RANK": str(DEAD_RANK)}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_dead_peer"], cwd=root,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     start = time.monotonic()

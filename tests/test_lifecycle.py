@@ -67,15 +67,16 @@ def test_destroy_and_init_again_in_one_process():
 def test_abort_ends_a_waiting_call_and_the_group_refuses_work(world_size):
     """ProcessGroupTDist.abort() sets the group's abort word: a call waiting for a peer that
     never comes gives up at once (not after the 60 s timeout), and every later call raises,
-    whether tdist or the fallback would serve it."""
+    whether tdist, the fallback or an overlapped op of torch_tdist.ops would serve it."""
     from tests.multiproc import RankPool, backend_under_test
 
     pool = RankPool(world_size, backend_under_test(), name="RankPool(abort)", env={"TDIST_TEST_POOL": "abort"})
     try:
-        first, waited, later, fallback = pool.run(J.abort_unblocks_a_waiting_call, timeout=60)[0]
+        first, waited, later, fallback, fused = pool.run(J.abort_unblocks_a_waiting_call, timeout=60)[0]
     finally:
         pool.shutdown()
     assert "aborted" in first and "all_reduce" in first, first
     assert 0.5 < waited < 10, f"the aborted call waited {waited:.1f} s"
     for message in (later, fallback):
         assert "this group was aborted (abort() was called)" in message and "all_reduce" in message, message
+    assert "tdist all_gather_matmul: this group was aborted (abort() was called)" in fused, fused

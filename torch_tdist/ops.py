@@ -274,13 +274,27 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
     a_full = a.new_empty((world * a.shape[0], k))
     kind, setting = way
     run = executor.all_gather_matmul_pipelined if kind == "pipelined" else executor.all_gather_matmul
-    if not run(a, b, out, a_full, setting):
+    if not _watched(group, "all_gather_matmul", run, a, b, out, a_full, setting):
         return None
     lead = (world * moved.shape[0], *moved.shape[1:-1])
     widths = [w.shape[1] for w in bs]
     outs = out.split(widths, dim=1)
     return (_row_major(a_full.view(*lead, k).movedim(0, dim)),
             [_row_major(o.reshape(*lead, w).movedim(0, dim)) for o, w in zip(outs, widths)])
+
+
+def _watched(group, op: str, run, *args) -> bool:
+    """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked and
+    watched as the group's collectives are: it raises once the group was aborted, and where
+    its GPU work has not finished within the group's timeout (a peer died) the group's
+    watchdog aborts the group, so that its waits give up and later calls raise."""
+    backend = _tdist_backend(group)
+    backend.check_open(op)
+    if not run(*args):
+        return False
+    if args[0].is_cuda:
+        backend.watch_queued(op, args[0].device.index)
+    return True
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:
@@ -343,7 +357,7 @@ def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: st
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
     kind, setting = way
     run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
-    if not run(rows, b, out, reduce_op, setting):
+    if not _watched(group, "matmul_reduce_scatter", run, rows, b, out, reduce_op, setting):
         return None
     return _row_major(out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim))
 
