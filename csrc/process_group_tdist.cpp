@@ -456,24 +456,32 @@ void TDistWork::markDone() {
 }
 
 bool TDistWork::wait(std::chrono::milliseconds /*timeout*/) {
+  raiseIfFailed();
+  if (!end_) {
+    return true;
+  }
+  if (blockHost_) {
+    // (without the lock: the watchdog marks the work failing before the abort
+    // that lets this return, and then the work has failed)
+    end_->synchronize();
+    raiseIfFailed();
+  } else {
+    auto caller = currentStream(end_->device());
+    if (caller != *stream_) {
+      end_->block(caller);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  inputs_.clear(); // the caller's stream now runs after the call: its tensors may be freed
+  return true;
+}
+
+void TDistWork::raiseIfFailed() {
   std::unique_lock<std::mutex> lock(mutex_);
   failed_.wait(lock, [this] { return !failing_; });
   if (!failure_.empty()) {
     C10_THROW_ERROR(DistBackendError, failure_);
   }
-  if (end_) {
-    if (blockHost_) {
-      end_->synchronize();
-    } else {
-      auto caller = currentStream(end_->device());
-      if (caller != *stream_) {
-        end_->block(caller);
-      }
-    }
-    // the caller's stream now runs after the call: its tensors may be freed
-    inputs_.clear();
-  }
-  return true;
 }
 
 bool TDistWork::isCompleted() {
@@ -621,6 +629,13 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTDist::
   return c10::make_intrusive<Options>(getBackendName(), timeout_);
 }
 
+ProcessGroupTDist::~ProcessGroupTDist() {
+  if (watchdog_ && Py_IsInitialized() && !pythonIsFinalizing() && PyGILState_Check()) {
+    py::gil_scoped_release noGil;
+    watchdog_.reset();
+  }
+}
+
 void ProcessGroupTDist::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   for (auto& entry : fallbacks_) {
@@ -634,7 +649,7 @@ void ProcessGroupTDist::abort() {
     abortWith(reason);
     return c10::str("tdist: group '", getGroupUid(), "' was aborted (", reason, ") before this call finished");
   });
-  abortWith(reason); // (no-op but for the word when the watchdog aborted the group first)
+  abortWith(reason); // (when the watchdog was aborting the group already: its reason stands)
   for (auto& entry : fallbacks_) {
     entry.second->abort();
   }
@@ -676,6 +691,9 @@ std::string ProcessGroupTDist::abortOverrun(
   }
   {
     std::lock_guard<std::mutex> lock(abortMutex_);
+    if (abortReasonFinal_) { // abort() came first: its reason stands
+      return abortReason_;
+    }
     abortReason_ = reason;
     abortReasonFinal_ = true;
   }

@@ -112,6 +112,9 @@ class TDistWork : public c10d::Work {
   void setSequenceNumber(uint64_t seq);
 
  private:
+  // Holds while the work is failing, raises once it failed.
+  void raiseIfFailed();
+
   std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
@@ -159,7 +162,9 @@ class ProcessGroupTDist : public c10d::Backend {
       const std::vector<std::string>& servedDevices,
       const std::vector<std::string>& devices);
 
-  ~ProcessGroupTDist() override = default;
+  // Stops the watchdog without the GIL: its thread may be freeing works
+  // whose Python tensors need it.
+  ~ProcessGroupTDist() override;
 
   const std::string getBackendName() const override {
     return "tdist";

@@ -27,8 +27,16 @@ void Watchdog::watch(
     c10::intrusive_ptr<TDistWork> work,
     std::chrono::milliseconds timeout,
     const char* op) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   if (failed_) {
+    std::string failure = failure_;
+    if (failure.empty()) {
+      work->failing();
+      late_.push_back(std::move(work));
+      return;
+    }
+    lock.unlock();
+    work->fail(failure);
     return;
   }
   watched_.push_back(
@@ -97,9 +105,22 @@ bool Watchdog::failAll(const std::function<std::string()>& abortGroup) {
   for (auto& work : failed) {
     work->failing(); // before the abort lets the device finish them
   }
-  std::string reason = abortGroup();
-  for (auto& work : failed) {
-    work->fail(reason);
+  std::string reason;
+  try {
+    reason = abortGroup();
+  } catch (const std::exception& e) {
+    reason = std::string("tdist: the group was aborted (and aborting it raised: ") + e.what() + ")";
+  }
+  std::vector<c10::intrusive_ptr<TDistWork>> late;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failure_ = reason;
+    late.swap(late_);
+  }
+  for (const auto* works : {&failed, &late}) {
+    for (const auto& work : *works) {
+      work->fail(reason);
+    }
   }
   return true; // (the works are freed here, without the lock: see run())
 }

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <c10/util/intrusive_ptr.h>
 
@@ -44,7 +45,8 @@ class Watchdog {
   // `abortGroup()` returns; abortGroup aborts the group (which lets the device
   // finish them) and runs while their wait() holds. Once: it returns false,
   // doing nothing, when the works were failed already (an overrun, or an
-  // earlier call), and later works are not watched.
+  // earlier call). Works watched later (calls that passed the group's abort
+  // check just before) fail with the same error.
   bool failAll(const std::function<std::string()>& abortGroup);
 
  private:
@@ -63,6 +65,8 @@ class Watchdog {
   std::list<Watched> watched_;
   bool stop_ = false;
   bool failed_ = false; // failAll() ran
+  std::string failure_; // the error failAll() failed the works with, once known
+  std::vector<c10::intrusive_ptr<TDistWork>> late_; // watched while it worked it out
   std::thread thread_; // last: starts after the members above exist
 };
 

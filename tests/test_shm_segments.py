@@ -1,6 +1,8 @@
 """Shared-memory segments: only this job's segment is attached (owner, mode and token checked)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,3 +45,26 @@ def test_a_segment_others_can_read_is_refused(segment):
 def test_a_segment_of_another_size_is_refused(segment):
     with pytest.raises(ValueError, match="not this job's"):
         _ShmSegment.open(segment.handle, 1 << 15, CPU)
+
+
+def test_the_name_of_a_segment_whose_creator_died_is_removed_by_the_next_one_made():
+    """A rank killed after making its segment and before every peer mapped it (a peer died
+    during the heap's rendezvous, the launcher stopped the rest) leaves its name in /dev/shm:
+    the next segment made on the machine removes it, and leaves a live creator's alone."""
+    make_and_die = ("import os, signal, torch; from torch_tdist.heap import _ShmSegment; "
+                    "print(_ShmSegment.create(1 << 16, torch.device('cpu')).path, flush=True); "
+                    "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", make_and_die], capture_output=True, text=True, timeout=120)
+    dead = proc.stdout.strip()
+    assert proc.returncode == -9 and os.path.exists(dead), (proc.returncode, dead, proc.stderr[-2000:])
+    made = [_ShmSegment.create(1 << 16, CPU)]
+    try:
+        assert not os.path.exists(dead), "the dead creator's segment is still named"
+        made.append(_ShmSegment.create(1 << 16, CPU))
+        assert os.path.exists(made[0].path), "a live creator's segment was removed"
+    finally:
+        if os.path.exists(dead):
+            os.unlink(dead)
+        for seg in made:
+            seg.all_peers_mapped()
+            seg.close()

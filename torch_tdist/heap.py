@@ -76,6 +76,10 @@ class _ShmSegment:
     Its handle is ``name:token``. The owner writes the random token into the segment's first
     bytes (the heap keeps them out of allocations), and a peer that opens the name checks the
     owner, the mode and the token before using it: a file that is not this job's is refused.
+    The name is unlinked once every peer mapped it; it carries its creator's pid (and pid
+    namespace), so that the name of one whose creator was killed before that (a peer died
+    during the heap's rendezvous and the launcher stopped the rest) is removed by the next
+    segment made on the machine (``_remove_dead_creators_segments``).
     """
 
     TOKEN_BYTES = 16
@@ -99,7 +103,8 @@ class _ShmSegment:
 
     @classmethod
     def create(cls, nbytes: int, device: torch.device) -> "_ShmSegment":
-        path = os.path.join(SHM_DIR, f"tdist-{secrets.token_hex(16)}")
+        _remove_dead_creators_segments()
+        path = os.path.join(SHM_DIR, f"tdist-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(16)}")
         try:
             segment = cls(path, nbytes, create=True)
         except BaseException:
@@ -137,13 +142,45 @@ class _ShmSegment:
             pass  # views handed out still hold it; the mapping goes with the last of them
 
 
-_SEGMENT_NAME = re.compile(r"tdist-[0-9a-f]{32}")  # what _ShmSegment names its segments
+# what _ShmSegment names its segments: tdist-<creator's pid namespace>-<creator's pid>-<random>
+_SEGMENT_NAME = re.compile(r"tdist-(\d+)-(\d+)-[0-9a-f]{32}")
 
 
 def shm_segment_names() -> set[str]:
     """The tdist segments now named in /dev/shm. Each is unlinked as soon as every peer mapped
     it, so none should stay between calls, after an error, or after a process exits."""
     return {name for name in os.listdir(SHM_DIR) if _SEGMENT_NAME.fullmatch(name)}
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode): pids name processes only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _remove_dead_creators_segments():
+    """Unlinks the segment names of this user whose creator, in this pid namespace, is gone
+    (no peer can be waiting to map them: their heap's rendezvous ended with the creator)."""
+    namespace = _pid_namespace()
+    for name in shm_segment_names():
+        match = _SEGMENT_NAME.fullmatch(name)
+        if int(match.group(1)) != namespace or not namespace:
+            continue
+        try:
+            os.kill(int(match.group(2)), 0)
+            continue  # alive (or its pid reused: left alone)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or not ours to remove
 
 
 def _unlink(path: str):

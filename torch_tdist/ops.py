@@ -290,11 +290,12 @@ def _watched(group, op: str, run, *args) -> bool:
     watchdog aborts the group, so that its waits give up and later calls raise."""
     backend = _tdist_backend(group)
     backend.check_open(op)
-    if not run(*args):
-        return False
-    if args[0].is_cuda:
-        backend.watch_queued(op, args[0].device.index)
-    return True
+    device = args[0].device  # (the group's: the executor refuses tensors on another)
+    try:
+        return run(*args)
+    finally:  # (also what a way that raised part-way had queued)
+        if device.type == "cuda":
+            backend.watch_queued(op, device.index)
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:
