@@ -111,6 +111,9 @@ bool Watchdog::failAll(const std::function<std::string()>& abortGroup) {
   } catch (const std::exception& e) {
     reason = std::string("tdist: the group was aborted (and aborting it raised: ") + e.what() + ")";
   }
+  if (reason.empty()) { // (an empty failure_ would mean "not known yet" to watch())
+    reason = "tdist: the group was aborted";
+  }
   std::vector<c10::intrusive_ptr<TDistWork>> late;
   {
     std::lock_guard<std::mutex> lock(mutex_);
