@@ -645,11 +645,13 @@ void ProcessGroupTDist::setTimeout(std::chrono::milliseconds timeout) {
 
 void ProcessGroupTDist::abort() {
   const std::string reason = "abort() was called";
-  watchdog().failAll([&] {
+  bool failedHere = watchdog().failAll([&] {
     abortWith(reason);
     return c10::str("tdist: group '", getGroupUid(), "' was aborted (", reason, ") before this call finished");
   });
-  abortWith(reason); // (when the watchdog was aborting the group already: its reason stands)
+  if (!failedHere) { // the watchdog was aborting the group already
+    abortWith(reason);
+  }
   for (auto& entry : fallbacks_) {
     entry.second->abort();
   }

@@ -265,7 +265,8 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
     """The op overlapped (``Executor.all_gather_matmul``, or ``..._pipelined``), or None where
     the heap cannot take it. The executor gathers rows: a gather along another dimension
     moves it first (a copy unless the dimensions before it have size 1) and back after."""
-    executor = get_executor(group)
+    backend = _tdist_backend(group)
+    executor = backend.executor
     k, world = a_shard.shape[-1], group.size()
     moved = a_shard.movedim(dim, 0)
     a = moved.reshape(-1, k).contiguous()
@@ -274,7 +275,7 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
     a_full = a.new_empty((world * a.shape[0], k))
     kind, setting = way
     run = executor.all_gather_matmul_pipelined if kind == "pipelined" else executor.all_gather_matmul
-    if not _watched(group, "all_gather_matmul", run, a, b, out, a_full, setting):
+    if not _watched(backend, "all_gather_matmul", run, a, b, out, a_full, setting):
         return None
     lead = (world * moved.shape[0], *moved.shape[1:-1])
     widths = [w.shape[1] for w in bs]
@@ -283,12 +284,11 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way:
             [_row_major(o.reshape(*lead, w).movedim(0, dim)) for o, w in zip(outs, widths)])
 
 
-def _watched(group, op: str, run, *args) -> bool:
+def _watched(backend, op: str, run, *args) -> bool:
     """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked and
-    watched as the group's collectives are: it raises once the group was aborted, and where
-    its GPU work has not finished within the group's timeout (a peer died) the group's
-    watchdog aborts the group, so that its waits give up and later calls raise."""
-    backend = _tdist_backend(group)
+    watched as the group's collectives are (``backend``: the group's): it raises once the group
+    was aborted, and where its GPU work has not finished within the group's timeout (a peer
+    died) the group's watchdog aborts the group, so that its waits give up and later calls raise."""
     backend.check_open(op)
     device = args[0].device  # (the group's: the executor refuses tensors on another)
     try:
@@ -351,14 +351,15 @@ def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: st
     """The op overlapped (``Executor.matmul_reduce_scatter``, or ``..._pipelined``), or None
     where the heap cannot take it. The executor scatters rows: a scatter along another dimension
     moves it first (a copy unless the dimensions before it have size 1) and back after."""
-    executor = get_executor(group)
+    backend = _tdist_backend(group)
+    executor = backend.executor
     world = group.size()
     moved = a.movedim(dim, 0)
     rows = moved.reshape(-1, a.shape[-1]).contiguous()
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
     kind, setting = way
     run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
-    if not _watched(group, "matmul_reduce_scatter", run, rows, b, out, reduce_op, setting):
+    if not _watched(backend, "matmul_reduce_scatter", run, rows, b, out, reduce_op, setting):
         return None
     return _row_major(out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim))
 
