@@ -19,7 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed  # noqa: E402
+from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, sentinel, staged, streamed  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -92,10 +92,23 @@ def _lowlatency_specialisations():
                 "DTYPE": dtype, "PACK": pack, "LANES": 1 << (world - 1).bit_length()}
 
 
+def _sentinel_specialisations():
+    """The flag-free all_reduce: bf16 and fp16 (int16 bits), fp32 (int32 bits); 3 ranks: a masked lane."""
+    for world in (2, 3, 4):
+        for dtype, ints, op, block in ((tl.bfloat16, "i16", "sum", 4096), (tl.float16, "i16", "avg", 1024),
+                                       (tl.float32, "i32", "max", 512)):
+            signature = {"ctx": "*i64", "src": f"*{ints}", "dst": f"*{ints}", "mail": f"*{ints}",
+                         "lines": "*i64", "counter": "*i64", "n": "i64", "part": "i64", "call_word": "i64"}
+            yield sentinel.sentinel_all_reduce_kernel, signature, {
+                "WORLD": world, "SHARE": 1 << 20, "PEER": (4 << 20) + 1024, "BLOCK": block, "OP": op,
+                "DTYPE": dtype, "ACC": tl.float32, "MAXP": 132, "LANES": 1 << (world - 1).bit_length()}
+
+
 def specialisations():
     yield from _oneshot_specialisations()
     yield from _streamed_specialisations()
     yield from _lowlatency_specialisations()
+    yield from _sentinel_specialisations()
     for world, me in ((2, 1), (4, 0), (4, 3)):
         for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max")):
             for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):
@@ -190,6 +203,7 @@ def _every_primitive(ctx, buf, sig, n, epoch, BLOCK: tl.constexpr):
     tdl.notify(ctx, sig + 6, tl.where(live, lanes, 0), epoch, mask=live)
     tdl.wait_all(ctx, sig + 6 + lanes, epoch, live)
     tl.store(sig + 10, tdl.largest(tl.where(live, lanes, 0)).to(tl.int64))
+    tl.store(sig + 11, tl.sum(tdl.wait_filled(ctx, sig + 12 + lanes, live), 0))
     ptr = tdl.consume_token(buf, token)
     tdl.putmem_block(ctx, ptr + 3 * BLOCK, ptr, n, peer, BLOCK)
     tdl.getmem_block(ctx, ptr + 4 * BLOCK, ptr, n, peer, BLOCK)
@@ -207,7 +221,7 @@ def check_wide_accesses(target):
     checked = 0
     for kernel, signature, constexprs, *_ in specialisations():
         data = signature.get("out", signature.get("src", signature.get("dst", "")))
-        wanted = constexprs.get("ALIGN", 16) != 1 and "bf16" in data
+        wanted = constexprs.get("ALIGN", 16) != 1 and ("bf16" in data or "i16" in data)
         if kernel is _every_primitive or not wanted:
             continue
         ptx = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=_aligned(signature)),

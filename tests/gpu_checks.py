@@ -631,6 +631,38 @@ def lowlatency_path(tg, rank, world, device, gen):
     _graph_replays(lg, "lowlatency ", 1000, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
+def sentinel_path(tg, rank, world, device, gen):
+    """The flag-free all_reduce (triton_kernels/sentinel.py) on a group that takes it wherever it
+    serves: fp32 and bf16 (sum, avg, max) from 1001 elements to 1 MB, fp16 and inputs with zeros
+    of both signs, back to back with the other collectives (one-shot there); then 20 CUDA-graph
+    replays of a 1 MB fp32 all_reduce."""
+    from torch_tdist import collectives
+
+    sg = _tdist_group({"TDIST_ALGORITHM": "sentinel"})
+    served = []
+    original = collectives.Executor._sentinel
+
+    def counted(self, *args, **kwargs):
+        served.append(args[1].numel())
+        return original(self, *args, **kwargs)
+    collectives.Executor._sentinel = counted
+    try:
+        _large_calls(sg, "sentinel", (1001, (1 << 16) + 3, (1 << 18) - 5), world, device, gen)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for n in (4096 * world, (1 << 19) - 5):
+                x = _rand(n, dtype, device, gen)
+                x[::3], x[1::5] = 0.0, -0.0
+                _check(f"sentinel all_reduce with zeros {str(dtype)[6:]} n={n}",
+                       *_pair(_all_reduced(x, dist.ReduceOp.SUM), sg))
+    finally:
+        collectives.Executor._sentinel = original
+    global _checked
+    _checked += 1
+    if len(served) < 6 * 3 + 6:
+        _failures.append(f"sentinel: the kernel served {len(served)} calls, not all the all_reduces")
+    _graph_replays(sg, "sentinel ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
+
+
 def served_by_tdist(tg, rank, world, device, gen):
     stats = torch_tdist.stats(tg)
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
@@ -990,7 +1022,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
+          streamed_path, lowlatency_path, sentinel_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 

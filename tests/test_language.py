@@ -16,3 +16,9 @@ def test_every_primitive(pool, seed):
 @ws_param()
 def test_signals_to_and_from_every_rank_at_once(pool, seed):
     pool.run(J.every_rank_at_once, seed)
+
+
+@pytest.mark.tdist_only
+@ws_param()
+def test_a_wait_for_the_data_themselves_after_a_fence(pool, seed):
+    pool.run(J.data_as_signal, seed)

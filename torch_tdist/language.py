@@ -201,6 +201,17 @@ def notify_add(ctx, sig, peer, value):
     tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
 
 
+@jit
+def fence(ctx):
+    """Release, with no signal: every store this program made before (after a
+    ``tl.debug_barrier()``: every thread's) reaches its target before the program goes on. A
+    kernel whose peers poll the data themselves needs it before it spins: on H200s plain stores to
+    a peer, made just before their program polled its own memory for a long time, reached the peer
+    only when the kernel ended (triton_kernels/sentinel.py). (A release add of 0 to this rank's
+    slot of ``ctx``, which it leaves as it was.)"""
+    tl.atomic_add(ctx + CTX_RANK, 0, sem="release", scope="sys")
+
+
 def poll_until(read, satisfied, timeout_s: float, wanted: str, abort_address: int = 0) -> int:
     """Calls ``read()`` (an int from a signal slot), sleeping between polls (ranks share few
     cores), until ``satisfied`` of it; returns it. Gives up after ``timeout_s`` with a
@@ -251,6 +262,14 @@ if INTERPRET:
         triton_kernels/lowlatency.py); returns the lines (0 where masked)."""
         _spin_lines(lines, mask, flag, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
         return tl.load(lines, mask=mask, other=0)
+
+    @jit
+    def wait_filled(ctx, ptrs, mask):
+        """Spin until no element of the block ``ptrs`` where ``mask`` holds is 0 (a mailbox at
+        rest holds zeros and senders never send one: see triton_kernels/sentinel.py); returns
+        the elements (0 where masked)."""
+        _spin_filled(ptrs, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
+        return tl.load(ptrs, mask=mask, other=0)
 
     # Plain Python below: the interpreter rewrites jit functions' arithmetic into tensor ops.
     def host_int(value) -> int:
@@ -307,6 +326,22 @@ if INTERPRET:
         except PeerTimeoutError as err:
             err.address = int(addresses[short_lines()].reshape(-1)[0])
             err.satisfied = lambda seen: ((seen >> 32) & 0xFFFFFFFF) == wanted
+            raise
+
+    def _spin_filled(ptrs, mask, timeout_ms, abort_address):
+        live = mask.handle.data.astype(bool)
+        addresses = ptrs.handle.data
+        bits = ptrs.dtype.element_ty.primitive_bitwidth
+
+        def empty():
+            return live & (tl.load(ptrs, mask=mask, other=0, volatile=True).handle.data == 0)
+        try:
+            poll_until(lambda: int(empty().sum()), lambda short: short == 0,
+                       host_int(timeout_ms) / 1000.0, "data in place of zeros", host_int(abort_address))
+        except PeerTimeoutError as err:
+            first = int(addresses[empty()].reshape(-1)[0])
+            err.address, shift = first // 8 * 8, first % 8 * 8  # the int64 holding the element
+            err.satisfied = lambda seen: (seen >> shift) & ((1 << bits) - 1) != 0
             raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
@@ -385,6 +420,29 @@ else:
             tl.store(stuck.to(tl.pointer_type(tl.int64)),
                      largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag),
                                                tl.cast(lines, tl.int64), 0))))
+        return seen
+
+    @jit
+    def wait_filled(ctx, ptrs, mask):
+        """Spin until no element of the block ``ptrs`` where ``mask`` holds is 0 (a mailbox at
+        rest holds zeros and senders never send one: see triton_kernels/sentinel.py), or the
+        group's abort word is set; returns the elements (0 where masked), read with volatile
+        loads."""
+        abort = tl.load(ctx + CTX_ABORT)
+        seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        short = largest(tl.ravel(tl.where(mask & (seen == 0), 1, 0)))
+        polls = 0
+        gave_up = abort < 0  # (False: an address)
+        while (short != 0) & (not gave_up):
+            seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+            short = largest(tl.ravel(tl.where(mask & (seen == 0), 1, 0)))
+            polls += 1
+            if (polls % ABORT_POLLS == 0) & (abort != 0):
+                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
+        if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (as in wait_all; the int64 holding it)
+            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
+            tl.store(stuck.to(tl.pointer_type(tl.int64)),
+                     largest(tl.ravel(tl.where(mask & (seen == 0), tl.cast(ptrs, tl.int64) // 8 * 8, 0))))
         return seen
 
     @jit
