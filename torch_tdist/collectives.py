@@ -184,10 +184,10 @@ _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, t
 # all_reduces up to these bytes per rank (and only where every rank's share has elements, and a
 # share fits SENTINEL_SHARE_BYTES); TDIST_ALGORITHM=sentinel serves every all_reduce it can with it
 # (the other calls one-shot). On GPUs a program moves one block of a share, SENTINEL_BLOCK_BYTES
-# (least, most), and a launch has at most SENTINEL_PROGRAMS: on 2 H200s, launches of 132 programs
-# (every SM) or of programs that moved two blocks or more each (2-16 KB) left blocks of a peer's
-# reduced share unseen until the group's timeout at 1 and 4 MB, while 64-128 programs of one block
-# of 2-4 KB each were right from 4 KB to 1 MB (cause not found yet; see the issue 3 notes).
+# (least, most), and a launch has at most SENTINEL_PROGRAMS: the shapes measured right on 2 H200s
+# (64-128 programs of one block of 2-8 KB, 4 KB to 2 MB). Before the kernel fenced its pushes
+# (tdl.fence), calls stalled until the group's timeout, most often with 132 programs or with two
+# blocks or more a program; those shapes were not tried again since.
 SENTINEL_UP_TO_BYTES = {"cpu": 0, "cuda": 0}
 SENTINEL_BLOCK_BYTES = (1024, 1024) if language.INTERPRET else (2048, 8192)
 SENTINEL_PROGRAMS = 1 if language.INTERPRET else 128

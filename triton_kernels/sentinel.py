@@ -6,7 +6,9 @@ system-scope fence first), and its peers acquire the flag before they read: each
 is data, fence, flag. Here a mailbox at rest holds zeros and no element sent is ever zero: the
 sender turns -0.0 into +0.0 and flips the sign bit (so +0.0 travels as the bits of -0.0), the
 receiver flips it back. A receiver polls the data themselves until no element is zero
-(``tdl.wait_filled``): each hop is one trip. It sets the mailbox back to zeros once read.
+(``tdl.wait_filled``): each hop is one trip. It sets the mailbox back to zeros once read. A
+program fences its pushes (``tdl.fence``) before it spins: the fence delays only the sender, and
+without it pushes made just before a long spin reached the peer only when the kernel ended.
 
 Rank ``d`` owns elements ``[d * part, (d + 1) * part)`` of the ``n`` (the executor calls this
 kernel only where every share is non-empty). Program ``q`` of every rank, for its blocks ``q, q
