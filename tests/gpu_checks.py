@@ -639,6 +639,7 @@ def sentinel_path(tg, rank, world, device, gen):
     from torch_tdist import collectives
 
     sg = _tdist_group({"TDIST_ALGORITHM": "sentinel"})
+    _progress(rank, "sentinel_path: group made")
     served = []
     original = collectives.Executor._sentinel
 
@@ -648,6 +649,7 @@ def sentinel_path(tg, rank, world, device, gen):
     collectives.Executor._sentinel = counted
     try:
         _large_calls(sg, "sentinel", (1001, (1 << 16) + 3, (1 << 18) - 5), world, device, gen)
+        _progress(rank, "sentinel_path: calls done")
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for n in (4096 * world, (1 << 19) - 5):
                 x = _rand(n, dtype, device, gen)
@@ -660,6 +662,7 @@ def sentinel_path(tg, rank, world, device, gen):
     _checked += 1
     if len(served) < 6 * 3 + 6:
         _failures.append(f"sentinel: the kernel served {len(served)} calls, not all the all_reduces")
+    _progress(rank, "sentinel_path: zeros done")
     _graph_replays(sg, "sentinel ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
