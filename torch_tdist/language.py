@@ -314,34 +314,29 @@ if INTERPRET:
 
     def _spin_lines(lines, mask, flag, timeout_ms, abort_address):
         wanted = host_int(flag)
-        live = mask.handle.data.astype(bool)
-        addresses = lines.handle.data
-
-        def short_lines():
-            seen = tl.load(lines, mask=mask, other=0, volatile=True).handle.data
-            return live & (((seen >> 32) & 0xFFFFFFFF) != wanted)
-        try:
-            poll_until(lambda: int(short_lines().sum()), lambda short: short == 0,
-                       host_int(timeout_ms) / 1000.0, f"lines with flag {wanted:#x}", host_int(abort_address))
-        except PeerTimeoutError as err:
-            err.address = int(addresses[short_lines()].reshape(-1)[0])
-            err.satisfied = lambda seen: ((seen >> 32) & 0xFFFFFFFF) == wanted
-            raise
+        _spin_block(lines, mask, lambda seen: ((seen >> 32) & 0xFFFFFFFF) == wanted,
+                    f"lines with flag {wanted:#x}", timeout_ms, abort_address)
 
     def _spin_filled(ptrs, mask, timeout_ms, abort_address):
+        _spin_block(ptrs, mask, lambda seen: seen != 0, "data in place of zeros", timeout_ms, abort_address)
+
+    def _spin_block(ptrs, mask, arrived, wanted: str, timeout_ms, abort_address):
+        """Polls the block ``ptrs`` where ``mask`` holds until ``arrived`` (of a numpy array of
+        what was read) holds everywhere. On a timeout the error's slot is the int64 holding the
+        first element short, and ``satisfied`` tells of an int64 whether that element arrived."""
         live = mask.handle.data.astype(bool)
         addresses = ptrs.handle.data
         bits = ptrs.dtype.element_ty.primitive_bitwidth
 
-        def empty():
-            return live & (tl.load(ptrs, mask=mask, other=0, volatile=True).handle.data == 0)
+        def short():
+            return live & ~arrived(tl.load(ptrs, mask=mask, other=0, volatile=True).handle.data)
         try:
-            poll_until(lambda: int(empty().sum()), lambda short: short == 0,
-                       host_int(timeout_ms) / 1000.0, "data in place of zeros", host_int(abort_address))
+            poll_until(lambda: int(short().sum()), lambda count: count == 0,
+                       host_int(timeout_ms) / 1000.0, wanted, host_int(abort_address))
         except PeerTimeoutError as err:
-            first = int(addresses[empty()].reshape(-1)[0])
-            err.address, shift = first // 8 * 8, first % 8 * 8  # the int64 holding the element
-            err.satisfied = lambda seen: (seen >> shift) & ((1 << bits) - 1) != 0
+            first = int(addresses[short()].reshape(-1)[0])
+            err.address, shift = first // 8 * 8, first % 8 * 8
+            err.satisfied = lambda seen: bool(arrived((seen >> shift) & ((1 << bits) - 1)))
             raise
 
     def spin_until(sig, satisfied, timeout_s: float, wanted: str, abort_address: int = 0):
@@ -404,23 +399,7 @@ else:
         ``flag`` in its high half (a line is ``flag << 32 | 32 bits of data``, stored at once: see
         triton_kernels/lowlatency.py), or the group's abort word is set; returns the lines (0
         where masked), read with volatile loads."""
-        abort = tl.load(ctx + CTX_ABORT)
-        seen = tl.load(lines, mask=mask, other=0, volatile=True)
-        short = largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag), 1, 0)))
-        polls = 0
-        gave_up = abort < 0  # (False: an address)
-        while (short != 0) & (not gave_up):
-            seen = tl.load(lines, mask=mask, other=0, volatile=True)
-            short = largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag), 1, 0)))
-            polls += 1
-            if (polls % ABORT_POLLS == 0) & (abort != 0):
-                gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
-        if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (as in wait_all)
-            stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
-            tl.store(stuck.to(tl.pointer_type(tl.int64)),
-                     largest(tl.ravel(tl.where(mask & (((seen >> 32) & 0xFFFFFFFF) != flag),
-                                               tl.cast(lines, tl.int64), 0))))
-        return seen
+        return _spin_block(ctx, lines, mask, flag, False)
 
     @jit
     def wait_filled(ctx, ptrs, mask):
@@ -428,21 +407,35 @@ else:
         rest holds zeros and senders never send one: see triton_kernels/sentinel.py), or the
         group's abort word is set; returns the elements (0 where masked), read with volatile
         loads."""
+        return _spin_block(ctx, ptrs, mask, 0, True)
+
+    @jit
+    def _short_in_block(seen, mask, flag, FILLED: tl.constexpr):
+        """Where a polled element is not there yet: 0 (FILLED), or a line without ``flag``."""
+        if FILLED:
+            return mask & (seen == 0)
+        else:
+            return mask & (((seen >> 32) & 0xFFFFFFFF) != flag)
+
+    @jit
+    def _spin_block(ctx, ptrs, mask, flag, FILLED: tl.constexpr):
+        """The poll of wait_lines and wait_filled: the whole block at once, volatile loads."""
         abort = tl.load(ctx + CTX_ABORT)
         seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        short = largest(tl.ravel(tl.where(mask & (seen == 0), 1, 0)))
+        short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
         polls = 0
         gave_up = abort < 0  # (False: an address)
         while (short != 0) & (not gave_up):
             seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            short = largest(tl.ravel(tl.where(mask & (seen == 0), 1, 0)))
+            short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
         if gave_up & (polls > ABORT_POLLS) & (short != 0):  # (as in wait_all; the int64 holding it)
             stuck = abort + 8 * (PAGE_STUCK + tl.program_id(0) % STUCK_RECORDS)
             tl.store(stuck.to(tl.pointer_type(tl.int64)),
-                     largest(tl.ravel(tl.where(mask & (seen == 0), tl.cast(ptrs, tl.int64) // 8 * 8, 0))))
+                     largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED),
+                                               tl.cast(ptrs, tl.int64) // 8 * 8, 0))))
         return seen
 
     @jit
