@@ -191,6 +191,7 @@ def _every_primitive(ctx, buf, sig, n, epoch, BLOCK: tl.constexpr):
     x = tdl.load(ctx, buf + offs, peer, mask=mask, other=0.0)
     tdl.store(ctx, buf + BLOCK + offs, x, peer, mask=mask)
     tdl.store(ctx, buf + 2 * BLOCK + offs, tdl.load(ctx, buf + offs, peer), peer)
+    tdl.store_polled(ctx, buf + 5 * BLOCK + offs, x, peer, mask=mask)
     tdl.atomic_add(ctx, sig + 1, 1, peer)
     tdl.atomic_cas(ctx, sig + 2, 0, 1, peer)
     tdl.atomic_xchg(ctx, sig + 3, 1, peer)

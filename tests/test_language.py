@@ -20,5 +20,5 @@ def test_signals_to_and_from_every_rank_at_once(pool, seed):
 
 @pytest.mark.tdist_only
 @ws_param()
-def test_a_wait_for_the_data_themselves_after_a_fence(pool, seed):
+def test_a_wait_for_data_stored_for_polling(pool, seed):
     pool.run(J.data_as_signal, seed)

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -184,10 +185,10 @@ _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, t
 # all_reduces up to these bytes per rank (and only where every rank's share has elements, and a
 # share fits SENTINEL_SHARE_BYTES); TDIST_ALGORITHM=sentinel serves every all_reduce it can with it
 # (the other calls one-shot). On GPUs a program moves one block of a share, SENTINEL_BLOCK_BYTES
-# (least, most), and a launch has at most SENTINEL_PROGRAMS: the shapes measured right on 2 H200s
-# (64-128 programs of one block of 2-8 KB, 4 KB to 2 MB). Before the kernel fenced its pushes
-# (tdl.fence), calls stalled until the group's timeout, most often with 132 programs or with two
-# blocks or more a program; those shapes were not tried again since.
+# (least, most), and a launch has at most SENTINEL_PROGRAMS. Experimental on GPUs (a warning says
+# so): on 4 H200s, with strong stores, every call whose ranks started together was right, but 4 of
+# 19 calls with one rank 0.5 s late stalled until the group's timeout (all 4 at 512 KB-1 MB, 64-128
+# programs; none of 6 at 4-256 KB) (benchmarks/results/sentinel_NVIDIA_H200-x4.log).
 SENTINEL_UP_TO_BYTES = {"cpu": 0, "cuda": 0}
 SENTINEL_BLOCK_BYTES = (1024, 1024) if language.INTERPRET else (2048, 8192)
 SENTINEL_PROGRAMS = 1 if language.INTERPRET else 128
@@ -322,6 +323,7 @@ class Executor:
         self._scratch_buffers = {}  # dtype -> _scratch's memory
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
         self.algorithm = os.environ.get("TDIST_ALGORITHM", "auto").lower()
+        self._sentinel_warned = False
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"tdist: TDIST_ALGORITHM={self.algorithm!r}; expected one of "
                              f"{', '.join(ALGORITHMS)}")
@@ -643,6 +645,11 @@ class Executor:
         vector = _vector(src.dtype)
         part = -(-n // self.world_size // vector) * vector
         fits = part * src.element_size() <= self._sentinel_share and n > (self.world_size - 1) * part
+        if fits and self._heap.device.type == "cuda" and not self._sentinel_warned:
+            self._sentinel_warned = True
+            warnings.warn("tdist: TDIST_ALGORITHM=sentinel is experimental on GPUs: on 4 H200s some calls "
+                          "whose ranks arrived 0.5 s apart waited until the group's timeout and "
+                          "aborted the group", RuntimeWarning, stacklevel=2)
         return part if fits else None
 
     def _sentinel(self, op: str, src: torch.Tensor, dst: torch.Tensor, part: int, reduce_op: str):

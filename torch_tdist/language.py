@@ -137,12 +137,13 @@ def symm_at(ctx, ptr, peer):
 
     Heap bases are aligned to HEAP_ALIGN bytes, so the distance between two of them is a
     multiple of 16 elements: the translated pointer keeps ``ptr``'s alignment, and loads
-    through it stay as wide as loads through ``ptr``.
+    through it stay as wide as loads through ``ptr`` (the compiler sees the 16 in ``* 16``;
+    ``peer`` may be a block of any shape).
     """
     my_base = tl.load(ctx + CTX_BASES + rank(ctx))
     peer_base = tl.load(ctx + CTX_BASES + peer)
     elem_bytes: tl.constexpr = (ptr.dtype.element_ty.primitive_bitwidth + 7) // 8
-    return ptr + tl.multiple_of((peer_base - my_base) // elem_bytes, 16)
+    return ptr + (peer_base - my_base) // (16 * elem_bytes) * 16
 
 
 @jit
@@ -153,6 +154,16 @@ def load(ctx, ptr, peer, mask=None, other=None):
 @jit
 def store(ctx, ptr, value, peer, mask=None):
     tl.store(symm_at(ctx, ptr, peer), value, mask=mask)
+
+
+@jit
+def store_polled(ctx, ptr, value, peer, mask=None):
+    """:func:`store` of data that a peer polls for (:func:`wait_filled`: data that are their own
+    signal): a strong store at system scope (PTX ``st.global.wt``; STG.E.STRONG.SYS on H200s),
+    which a polling peer is bound to see. A plain store is weak: on 4 H200s peers polling for
+    plain stores, fenced or not, sometimes saw them only once the storing kernel had ended
+    (triton_kernels/sentinel.py)."""
+    tl.store(symm_at(ctx, ptr, peer), value, mask=mask, cache_modifier=".wt")
 
 
 @jit
@@ -199,17 +210,6 @@ def notify(ctx, sig, peer, value, mask=None):
 def notify_add(ctx, sig, peer, value):
     """Like :func:`notify`, but adds ``value`` to the slot (counting signals)."""
     tl.atomic_add(symm_at(ctx, sig, peer), value, sem="release", scope="sys")
-
-
-@jit
-def fence(ctx):
-    """Release, with no signal: every store this program made before (after a
-    ``tl.debug_barrier()``: every thread's) reaches its target before the program goes on. A
-    kernel whose peers poll the data themselves needs it before it spins: on H200s plain stores to
-    a peer, made just before their program polled its own memory for a long time, reached the peer
-    only when the kernel ended (triton_kernels/sentinel.py). (A release add of 0 to this rank's
-    slot of ``ctx``, which it leaves as it was.)"""
-    tl.atomic_add(ctx + CTX_RANK, 0, sem="release", scope="sys")
 
 
 def poll_until(read, satisfied, timeout_s: float, wanted: str, abort_address: int = 0) -> int:

@@ -6,9 +6,9 @@ system-scope fence first), and its peers acquire the flag before they read: each
 is data, fence, flag. Here a mailbox at rest holds zeros and no element sent is ever zero: the
 sender turns -0.0 into +0.0 and flips the sign bit (so +0.0 travels as the bits of -0.0), the
 receiver flips it back. A receiver polls the data themselves until no element is zero
-(``tdl.wait_filled``): each hop is one trip. It sets the mailbox back to zeros once read. A
-program fences its pushes (``tdl.fence``) before it spins: the fence delays only the sender, and
-without it pushes made just before a long spin reached the peer only when the kernel ended.
+(``tdl.wait_filled``): each hop is one trip. It sets the mailbox back to zeros once read. Pushes
+are strong stores (``tdl.store_polled``): with plain ones, fenced or not, peers on 4 H200s often
+waited until the kernel that pushed had ended, which it never did (it waited for them in turn).
 
 Rank ``d`` owns elements ``[d * part, (d + 1) * part)`` of the ``n`` (the executor calls this
 kernel only where every share is non-empty). Program ``q`` of every rank, for its blocks ``q, q
@@ -120,15 +120,15 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
 
     # 1. every rank's share of the input into its inbox [me] (rank to_rank, a lane each)
     to_counts = tl.minimum(tl.maximum(n - to_rank * part, 0), part)
-    peer_mail = tdl.symm_at(ctx, mail, to_rank) + me * PEER
+    my_mail = mail + me * PEER  # (in every peer's mail)
     for b in range(pid, blocks, nprog):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = live[:, None] & (offs[None, :] < to_counts[:, None])
         x = tl.load(src + (to_rank * part)[:, None] + offs[None, :], mask=mask)
-        tl.store(peer_mail[:, None] + inbox + offs[None, :], _encoded(x, BITS), mask=mask)
-    tdl.store(ctx, lines + me * (PEER * BITS // 64) + line_of_mine, flag.to(tl.int64) << 32, to_rank, mask=live)
-    tl.debug_barrier()
-    tdl.fence(ctx)  # (before this program spins below, or its pushes may wait for the kernel's end)
+        tdl.store_polled(ctx, my_mail + inbox + tl.broadcast_to(offs[None, :], (LANES, BLOCK)), _encoded(x, BITS),
+                         to_rank[:, None], mask=mask)
+    tdl.store_polled(ctx, lines + me * (PEER * BITS // 64) + line_of_mine, flag.to(tl.int64) << 32, to_rank,
+                     mask=live)
 
     # 2. every rank's block here, reduced: into the output and every peer's outbox
     my_lines = lines + from_rank * (PEER * BITS // 64) + line_of_mine
@@ -146,10 +146,9 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
         y = _encoded(acc.to(DTYPE).to(mail.dtype.element_ty, bitcast=True), BITS)
         tl.store(dst + me * part + offs, _decoded(y, BITS), mask=mask)  # (-0.0 as the peers get it)
         peers = live & (lanes != 0)
-        tl.store(peer_mail[:, None] + outbox + offs[None, :], tl.broadcast_to(y[None, :], (LANES, BLOCK)),
-                 mask=peers[:, None] & mask[None, :])
-        tl.debug_barrier()
-        tdl.fence(ctx)
+        tdl.store_polled(ctx, my_mail + outbox + tl.broadcast_to(offs[None, :], (LANES, BLOCK)),
+                         tl.broadcast_to(y[None, :], (LANES, BLOCK)), to_rank[:, None],
+                         mask=peers[:, None] & mask[None, :])
 
     # 3. every peer's reduced block, out of this rank's outbox into the output
     others = live & (from_rank != me)

@@ -1,0 +1,88 @@
+"""The flag-free all_reduce (triton_kernels/sentinel.py) on GPUs, call by call, against NCCL:
+each case on a new tdist group (TDIST_ALGORITHM=sentinel), its calls in turn, each after a
+barrier, with one rank late where the trial says so ("3 late": rank 3 sleeps PROBE_LATE s). A
+call that stalls ends at the group's timeout (PROBE_TIMEOUT s); the probe then prints what each
+mailbox holds and goes on to the next case (the group is aborted).
+
+    PROBE_CASES=262144:bf16,524288:bf16 PROBE_TRIALS="aligned,3 late,2 late" \
+        torchrun --nproc-per-node 4 benchmarks/sentinel_probe.py
+
+Prints a line per rank and call: ok / WRONG (largest error), milliseconds, calls served.
+"""
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import torch_tdist
+from torch_tdist.backend import get_executor
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+CASES = [(int(n), DTYPES[t]) for n, t in (case.split(":") for case in os.environ.get(
+    "PROBE_CASES", "1001:f32,16389:f32,131072:bf16,262144:bf16,524288:bf16").split(","))]
+TRIALS = os.environ.get("PROBE_TRIALS", "first,aligned,0 late,3 late,aligned").split(",")
+
+
+def mail_summary(ex, dtype):
+    mail = ex._mail.view(torch.int16 if dtype.itemsize == 2 else torch.int32).cpu()
+    peer = ex._sentinel_peer // dtype.itemsize
+    share = ex._sentinel_share // dtype.itemsize
+    out = []
+    for p in range(ex.world_size):
+        blk = mail[p * peer:(p + 1) * peer]
+        counts = [int((blk[i * share:(i + 1) * share] != 0).sum()) for i in range(4)]
+        lines = blk[4 * share:].view(torch.int64)
+        nz = [(i, hex(int(v))) for i, v in enumerate(lines.tolist()) if v]
+        out.append(f"peer {p}: in0/in1/out0/out1 nonzero {counts} lines {nz[:4]}{'...' if len(nz) > 4 else ''}")
+    return out
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    late = float(os.environ.get("PROBE_LATE", "0.5"))
+    for n, dtype in CASES:
+        os.environ["TDIST_ALGORITHM"] = "sentinel"
+        os.environ["TDIST_HEAP_SIZE"] = os.environ.get("PROBE_HEAP", "512M")
+        tg = dist.new_group(backend="tdist", timeout=timedelta(seconds=int(os.environ.get("PROBE_TIMEOUT", "20"))))
+        del os.environ["TDIST_ALGORITHM"]
+        ex = get_executor(tg)
+        for trial in TRIALS:
+            gen = torch.Generator(device).manual_seed(1000 * rank + n)
+            x = torch.randn(n, device=device, generator=gen).to(dtype)
+            want = x.float().clone()
+            dist.all_reduce(want)
+            torch.cuda.synchronize()
+            dist.barrier()
+            if trial.endswith(" late") and rank == int(trial.split()[0]):
+                time.sleep(late)
+            y = x.clone()
+            start = time.perf_counter()
+            try:
+                dist.all_reduce(y, group=tg)
+                torch.cuda.synchronize()
+                err = (y.float() - want).abs().max().item()
+                ok = err <= (0.05 if dtype != torch.float32 else 1e-4) * max(1.0, want.abs().max().item())
+                print(f"rank {rank}: n={n} {str(dtype)[6:]} {trial}: {'ok' if ok else 'WRONG'} "
+                      f"err {err:.3g} {1e3 * (time.perf_counter() - start):.1f} ms "
+                      f"served {torch_tdist.stats(tg)['all_reduce']}", flush=True)
+            except Exception as e:
+                print(f"rank {rank}: n={n} {str(dtype)[6:]} {trial}: ERROR {type(e).__name__}: {str(e)[:600]}", flush=True)
+                try:
+                    for line in mail_summary(ex, dtype):
+                        print(f"rank {rank}:   {line}", flush=True)
+                except Exception as e2:
+                    print(f"rank {rank}:   (mail unreadable: {e2})", flush=True)
+                break
+        sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
