@@ -2,13 +2,15 @@
 each case on a new tdist group (TDIST_ALGORITHM=sentinel), its calls in turn, each after a
 barrier, with one rank late where the trial says so ("3 late": rank 3 sleeps PROBE_LATE s). A
 call that stalls ends at the group's timeout (PROBE_TIMEOUT s); the probe then prints what each
-mailbox holds and goes on to the next case (the group is aborted).
+mailbox holds and where the stuck waits polled, and goes on to the next case (the group is
+aborted).
 
     PROBE_CASES=262144:bf16,524288:bf16 PROBE_TRIALS="aligned,3 late,2 late" \
         torchrun --nproc-per-node 4 benchmarks/sentinel_probe.py
 
 Prints a line per rank and call: ok / WRONG (largest error), milliseconds, calls served.
 """
+import ctypes
 import os
 import sys
 import time
@@ -37,6 +39,28 @@ def mail_summary(ex, dtype):
         lines = blk[4 * share:].view(torch.int64)
         nz = [(i, hex(int(v))) for i, v in enumerate(lines.tolist()) if v]
         out.append(f"peer {p}: in0/in1/out0/out1 nonzero {counts} lines {nz[:4]}{'...' if len(nz) > 4 else ''}")
+    return out
+
+
+def stuck_waits(ex, dtype):
+    """Where the waits that were stuck at the abort polled (tdl's stuck records), in the mail."""
+    from torch_tdist import language
+
+    base, peer_bytes, share_bytes = ex._mail.data_ptr(), ex._sentinel_peer, ex._sentinel_share
+    out = []
+    for program in range(language.STUCK_RECORDS.value):
+        address = ctypes.c_int64.from_address(ex.abort_word_address + 8 * (language.PAGE_STUCK.value + program)).value
+        if not address:
+            continue
+        offset = address - base
+        if not 0 <= offset < ex.world_size * peer_bytes:
+            out.append(f"program {program} (mod {language.STUCK_RECORDS.value}): outside the mail ({address:#x})")
+            continue
+        peer, within = divmod(offset, peer_bytes)
+        region, at = divmod(within, share_bytes)
+        what = (f"{('inbox', 'outbox')[region // 2]} parity {region % 2} element {at // dtype.itemsize}"
+                if region < 4 else f"line {(within - 4 * share_bytes) // 8}")
+        out.append(f"program {program} (mod {language.STUCK_RECORDS.value}): peer {peer} {what}")
     return out
 
 
@@ -74,7 +98,7 @@ def main():
             except Exception as e:
                 print(f"rank {rank}: n={n} {str(dtype)[6:]} {trial}: ERROR {type(e).__name__}: {str(e)[:600]}", flush=True)
                 try:
-                    for line in mail_summary(ex, dtype):
+                    for line in mail_summary(ex, dtype) + stuck_waits(ex, dtype):
                         print(f"rank {rank}:   {line}", flush=True)
                 except Exception as e2:
                     print(f"rank {rank}:   (mail unreadable: {e2})", flush=True)
