@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import torch_tdist
+from timing import start_job  # (importing it sets the NVLink-multicast safety variables)
 from torch_tdist.backend import get_executor
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -65,10 +66,7 @@ def stuck_waits(ex, dtype):
 
 
 def main():
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
+    rank, _, device = start_job()
     late = float(os.environ.get("PROBE_LATE", "0.5"))
     for n, dtype in CASES:
         os.environ["TDIST_ALGORITHM"] = "sentinel"
