@@ -2,7 +2,11 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|bench|sweep|overlap|titan|soak|moe|badinput|all]   (all: demo, test, bench, moe)
+#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|titan|soak|moe|badinput|all]...
+# (several in one call run in this script's order; all: demo, test, bench, moe)
+# checks: tests/gpu_checks.py on $NPROC ranks with ${CHECK_ARGS} (e.g. "--quick --only every_op").
+# probe: benchmarks/sentinel_probe.py (PROBE_* variables), once per variant in PROBE_VARIANTS
+#   ("A=1 B=2;A=0": ';' between variants, each some environment assignments).
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
@@ -14,7 +18,8 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-what=${1:-all}
+wanted=" ${*:-all} "
+wants() { [[ "$wanted" == *" $1 "* ]] || { [[ "$wanted" == *" all "* ]] && [[ " demo test bench moe " == *" $1 "* ]]; }; }
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$OUT/gpus.txt" 2>&1
 start=$(date +%s)
@@ -22,33 +27,45 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 rc=0
-if [ "$what" = demo ] || [ "$what" = all ]; then
+if wants demo; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
-if [ "$what" = test ] || [ "$what" = all ]; then
+if wants test; then
   # TEST_K (a pytest -k expression) splits the runs across device calls (each call gets at most
   # 600 s), e.g. TEST_K="4-cuda or bad_input"
   TDIST_CHECK_TIMEOUT=${TDIST_CHECK_TIMEOUT:-150} timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py \
     -q -s -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
-if [ "$what" = soak ]; then
+if wants probe; then
+  IFS=';' read -ra variants <<< "${PROBE_VARIANTS:-TDIST_ALGORITHM=sentinel}"
+  for variant in "${variants[@]}"; do
+    echo "== $variant" | tee -a "$OUT/probe.log"
+    env $variant timeout ${PROBE_RUN_TIMEOUT:-200} python3 -m torch.distributed.run \
+      --standalone --nproc-per-node "$nproc" benchmarks/sentinel_probe.py 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  done
+fi
+if wants checks; then
+  TDIST_TRANSPORT=${TDIST_TRANSPORT:-cuda} timeout ${CHECK_TIMEOUT:-400} python3 -m torch.distributed.run --standalone \
+    --nproc-per-node "$nproc" -m tests.gpu_checks ${CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_checks.log" || rc=1
+fi
+if wants soak; then
   timeout 500 python3 -m torch_tdist.soak --nproc "$nproc" --steps "${SOAK_STEPS:-10000}" ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log" || rc=1
 fi
-if [ "$what" = badinput ]; then
+if wants badinput; then
   preload="${TMPDIR:-/tmp}/tdist_segv_backtrace.so"
   gcc -shared -fPIC -o "$preload" tests/native/segv_backtrace.c || rc=1
   LD_PRELOAD="$preload" TDIST_TRANSPORT=cuda timeout 300 python3 -m torch.distributed.run --standalone \
     --nproc-per-node 2 -m tests.gpu_bad_input 2>&1 | tee "$OUT/bad_input.log" || rc=1
 fi
-if [ "$what" = moe ] || [ "$what" = all ]; then
+if wants moe; then
   timeout 300 python3 -m torch_tdist.examples.moe_all_to_all --nproc "$nproc" --tokens 128 --hidden 7168 \
     --topk 8 --experts-per-rank 8 --steps 10 2>&1 | tee "$OUT/moe.log" || rc=1
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if wants bench; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
-if [ "$what" = sweep ]; then
+if wants sweep; then
   # one benchmark run per value of an environment variable, in one device call (an A/B), e.g.
   # SWEEP_VAR=TDIST_STREAMED_MIN_BLOCK_BYTES SWEEP="16384 4096 2048" \
   #   BENCH_ARGS="--ops all_reduce --sizes 256K,1M,4M --graph" bash benchmarks/device_run.sh sweep
@@ -59,11 +76,11 @@ if [ "$what" = sweep ]; then
       ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" || rc=1
   done
 fi
-if [ "$what" = overlap ]; then
+if wants overlap; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/overlap.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/overlap.log" || rc=1
 fi
-if [ "$what" = titan ]; then
+if wants titan; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan_site .whl/*.whl || rc=1
   PYTHONPATH=/tmp/titan_site${PYTHONPATH:+:$PYTHONPATH} timeout 570 python3 benchmarks/titan.py "${TITAN_MODE:-bench}" \
     --nproc "$nproc" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/titan.log" || rc=1

@@ -65,10 +65,39 @@ def stuck_waits(ex, dtype):
     return out
 
 
+def clear_trace(ex):
+    from torch_tdist.triton_kernels import sentinel
+
+    ctypes.memset(ex.abort_word_address + 8 * sentinel.TRACE_WORD.value, 0, 8 * 4 * sentinel.TRACE_PROGRAMS.value)
+
+
+def trace_summary(ex):
+    """Where each program of the last call was when (TDIST_SENTINEL_TRACE=1: sentinel.py's stamps):
+    per phase, how many programs reached it, the last one's time and the programs that reached it
+    more than 50 ms after the first program started (ms from that start)."""
+    from torch_tdist.triton_kernels import sentinel
+
+    words = (ctypes.c_int64 * (4 * sentinel.TRACE_PROGRAMS.value)).from_address(
+        ex.abort_word_address + 8 * sentinel.TRACE_WORD.value)
+    stamps = [[words[4 * p + k] for k in range(4)] for p in range(sentinel.TRACE_PROGRAMS.value)]
+    starts = [s[0] for s in stamps if s[0]]
+    if not starts:
+        return ["no stamps"]
+    base = min(starts)
+    out = [f"first start at {base / 1e6 % 100000:.3f} ms (GPU clock)"]
+    for k, name in enumerate(("started", "lines", "step 2", "step 3")):
+        at = [(p, (s[k] - base) / 1e6) for p, s in enumerate(stamps) if s[k]]
+        late = [f"{p}@{t:.0f}" for p, t in at if t > 50]
+        out.append(f"{name}: {len(at)} programs, last {max((t for _, t in at), default=0):.3f} ms"
+                   + (f", late: {' '.join(late[:12])}{' ...' if len(late) > 12 else ''}" if late else ""))
+    return out
+
+
 def main():
     rank, _, device = start_job()
     late = float(os.environ.get("PROBE_LATE", "0.5"))
     for n, dtype in CASES:
+        dist.barrier()  # (a rank still in the last case's stalled call would miss the new group's start)
         os.environ["TDIST_ALGORITHM"] = "sentinel"
         os.environ["TDIST_HEAP_SIZE"] = os.environ.get("PROBE_HEAP", "512M")
         tg = dist.new_group(backend="tdist", timeout=timedelta(seconds=int(os.environ.get("PROBE_TIMEOUT", "20"))))
@@ -84,6 +113,9 @@ def main():
             if trial.endswith(" late") and rank == int(trial.split()[0]):
                 time.sleep(late)
             y = x.clone()
+            tracing = os.environ.get("TDIST_SENTINEL_TRACE") == "1"
+            if tracing:
+                clear_trace(ex)
             start = time.perf_counter()
             try:
                 dist.all_reduce(y, group=tg)
@@ -93,10 +125,17 @@ def main():
                 print(f"rank {rank}: n={n} {str(dtype)[6:]} {trial}: {'ok' if ok else 'WRONG'} "
                       f"err {err:.3g} {1e3 * (time.perf_counter() - start):.1f} ms "
                       f"served {torch_tdist.stats(tg)['all_reduce']}", flush=True)
+                if tracing and (not ok or time.perf_counter() - start > 1.0):
+                    for line in trace_summary(ex):
+                        print(f"rank {rank}:   trace: {line}", flush=True)
             except Exception as e:
                 print(f"rank {rank}: n={n} {str(dtype)[6:]} {trial}: ERROR {type(e).__name__}: {str(e)[:600]}", flush=True)
                 try:
-                    for line in mail_summary(ex, dtype) + stuck_waits(ex, dtype):
+                    torch.cuda.synchronize()  # (the stalled kernels have given up)
+                    epochs = sorted(set(ex._counter[1:].tolist()))
+                    print(f"rank {rank}:   epochs in the counter slots: {epochs}", flush=True)
+                    traced = trace_summary(ex) if os.environ.get("TDIST_SENTINEL_TRACE") == "1" else []
+                    for line in mail_summary(ex, dtype) + stuck_waits(ex, dtype) + [f"trace: {t}" for t in traced]:
                         print(f"rank {rank}:   {line}", flush=True)
                 except Exception as e2:
                     print(f"rank {rank}:   (mail unreadable: {e2})", flush=True)

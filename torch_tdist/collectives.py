@@ -186,12 +186,11 @@ _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, t
 # share fits SENTINEL_SHARE_BYTES); TDIST_ALGORITHM=sentinel serves every all_reduce it can with it
 # (the other calls one-shot). On GPUs a program moves one block of a share, SENTINEL_BLOCK_BYTES
 # (least, most), and a launch has at most SENTINEL_PROGRAMS. Experimental on GPUs (a warning says
-# so): on 4 H200s, with strong stores, every call whose ranks started together was right, but 4 of
-# 19 calls with one rank 0.5 s late stalled until the group's timeout (all 4 at 512 KB-1 MB, 64-128
-# programs; none of 6 at 4-256 KB) (benchmarks/results/sentinel_NVIDIA_H200-x4.log).
+# so): calls stall until the group's timeout at times (4 H200s: a few of the calls with a rank
+# 0.5 s late; 4 H100s: most calls) (README, "flag-free two-shot"; benchmarks/results/sentinel_*.log).
 SENTINEL_UP_TO_BYTES = {"cpu": 0, "cuda": 0}
 SENTINEL_BLOCK_BYTES = (1024, 1024) if language.INTERPRET else (2048, 8192)
-SENTINEL_PROGRAMS = 1 if language.INTERPRET else 128
+SENTINEL_PROGRAMS = 1 if language.INTERPRET else int(os.environ.get("TDIST_SENTINEL_PROGRAMS", "128"))
 SENTINEL_SHARE_BYTES = 64 << 10 if language.INTERPRET else SENTINEL_PROGRAMS * SENTINEL_BLOCK_BYTES[1]
 _SENTINEL_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 # (every launch of these kernels counts its epoch in a slot per program)
@@ -647,9 +646,9 @@ class Executor:
         fits = part * src.element_size() <= self._sentinel_share and n > (self.world_size - 1) * part
         if fits and self._heap.device.type == "cuda" and not self._sentinel_warned:
             self._sentinel_warned = True
-            warnings.warn("tdist: TDIST_ALGORITHM=sentinel is experimental on GPUs: on 4 H200s some calls "
-                          "whose ranks arrived 0.5 s apart waited until the group's timeout and "
-                          "aborted the group", RuntimeWarning, stacklevel=2)
+            warnings.warn("tdist: TDIST_ALGORITHM=sentinel is experimental on GPUs: on 4 H200s and 4 H100s "
+                          "some calls waited until the group's timeout and aborted the group",
+                          RuntimeWarning, stacklevel=2)
         return part if fits else None
 
     def _sentinel(self, op: str, src: torch.Tensor, dst: torch.Tensor, part: int, reduce_op: str):

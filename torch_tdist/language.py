@@ -41,11 +41,17 @@ CTX_BASES = tl.constexpr(8)
 # word: the signal arrays the library's kernels wait on, MAX_REGIONS of (first slot's address,
 # slots per peer, peers), each peer's slots together, zeros after the last; then a word per
 # program (program % STUCK_RECORDS) where a GPU wait that was stuck when the group was aborted
-# leaves the address of the slot it waited on. The C++ watchdog names those slots' peers.
+# leaves the address of the slot it waited on. The C++ watchdog names those slots' peers. (Words
+# from 128: triton_kernels/sentinel.py's trace, when it is on.)
 PAGE_REGIONS = tl.constexpr(8)
 MAX_REGIONS = tl.constexpr(12)
 PAGE_STUCK = tl.constexpr(48)
 STUCK_RECORDS = tl.constexpr(64)
+# Under trial (triton_kernels/sentinel.py's stalls): with TDIST_POLL_SAMPLE=1 wait_filled polls
+# one element per POLL_SAMPLE_BYTES of its block (the last of each) until those arrived, and only
+# then the whole block (on 2 H200s, 128 programs: no stall in 16 calls, against 2 in 3 without).
+POLL_SAMPLE = tl.constexpr(os.environ.get("TDIST_POLL_SAMPLE", "0") == "1")
+POLL_SAMPLE_BYTES = tl.constexpr(2048)
 
 
 def _decide_interpret() -> bool:
@@ -66,7 +72,8 @@ INTERPRET = _decide_interpret()
 def _dependent_launch() -> bool:
     import torch
 
-    return not INTERPRET and torch.version.hip is None
+    # (TDIST_DEPENDENT_LAUNCH=0 turns it off: plain stream order, for experiments)
+    return not INTERPRET and torch.version.hip is None and os.environ.get("TDIST_DEPENDENT_LAUNCH", "1") != "0"
 
 
 DEPENDENT_LAUNCH = _dependent_launch()
@@ -425,9 +432,18 @@ else:
         short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
         polls = 0
         gave_up = abort < 0  # (False: an address)
+        if POLL_SAMPLE and FILLED:
+            elem_bytes: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth // 8
+            sample = mask & (tl.cast(ptrs, tl.int64) % POLL_SAMPLE_BYTES == POLL_SAMPLE_BYTES - elem_bytes)
         while (short != 0) & (not gave_up):
-            seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+            if POLL_SAMPLE and FILLED:
+                sampled = tl.load(ptrs, mask=sample, other=1, volatile=True)
+                if largest(tl.ravel(tl.where(sample & (sampled == 0), 1, 0))) == 0:
+                    seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+                    short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+            else:
+                seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+                short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0

@@ -9,6 +9,7 @@ receiver flips it back. A receiver polls the data themselves until no element is
 (``tdl.wait_filled``): each hop is one trip. It sets the mailbox back to zeros once read. Pushes
 are strong stores (``tdl.store_polled``): with plain ones, fenced or not, peers on 4 H200s often
 waited until the kernel that pushed had ended, which it never did (it waited for them in turn).
+Strong stores still stall at times (README, "flag-free two-shot"): hence experimental on GPUs.
 
 Rank ``d`` owns elements ``[d * part, (d + 1) * part)`` of the ``n`` (the executor calls this
 kernel only where every share is non-empty). Program ``q`` of every rank, for its blocks ``q, q
@@ -35,12 +36,33 @@ share), then ``lines[2][MAXP]`` (int64). Elements move as integers of their widt
 ``src``/``dst`` are int16 or int32 views), so the checks are on bits.
 """
 
+import os
+
 import triton.language as tl
 
 from torch_tdist import language as tdl
 
 from .lowlatency import line_flag
 from .oneshot import end_call, rank_lanes, start_call
+
+
+# Under trial (TDIST_SENTINEL_TRACE=1, GPUs): each of the first TRACE_PROGRAMS programs stamps the
+# GPU's clock (%globaltimer, ns) in the abort word's page (host memory) as it reaches each phase:
+# word TRACE_WORD + 4 * program + phase; phases: started, lines arrived, step 2 done, step 3 done
+# (benchmarks/sentinel_probe.py prints them).
+TRACE = tl.constexpr(os.environ.get("TDIST_SENTINEL_TRACE", "0") == "1")
+TRACE_WORD = tl.constexpr(128)
+TRACE_PROGRAMS = tl.constexpr(96)
+
+
+@tdl.jit
+def _stamp(ctx, PHASE: tl.constexpr):
+    if TRACE:
+        pid = tl.program_id(0)
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        slot = tl.load(ctx + tdl.CTX_ABORT) + 8 * (TRACE_WORD + 4 * pid + PHASE)
+        tl.store(slot.to(tl.pointer_type(tl.int64)), now, mask=pid < TRACE_PROGRAMS)
 
 
 @tdl.jit
@@ -117,6 +139,7 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
     inbox, outbox = parity * SHARE, (2 + parity) * SHARE  # in a peer's block of ``mail``
     line_of_mine = (4 * SHARE * BITS // 64) + parity * MAXP + pid  # in a peer's block, int64s
     blocks = (part + BLOCK - 1) // BLOCK
+    _stamp(ctx, 0)
 
     # 1. every rank's share of the input into its inbox [me] (rank to_rank, a lane each)
     to_counts = tl.minimum(tl.maximum(n - to_rank * part, 0), part)
@@ -134,6 +157,7 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
     my_lines = lines + from_rank * (PEER * BITS // 64) + line_of_mine
     lines_got = tdl.wait_lines(ctx, my_lines, live, flag)
     tl.store(my_lines, lines_got * 0, mask=live)
+    _stamp(ctx, 1)
     for b in range(pid, blocks, nprog):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < mine
@@ -150,6 +174,8 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
                          tl.broadcast_to(y[None, :], (LANES, BLOCK)), to_rank[:, None],
                          mask=peers[:, None] & mask[None, :])
 
+    _stamp(ctx, 2)
+
     # 3. every peer's reduced block, out of this rank's outbox into the output
     others = live & (from_rank != me)
     for b in range(pid, blocks, nprog):
@@ -160,4 +186,5 @@ def sentinel_all_reduce_kernel(ctx, src, dst, mail, lines, counter, n, part, cal
         tl.store(rows[:, None] + offs[None, :], reduced * 0, mask=mask)
         tl.store(dst + (from_rank * part)[:, None] + offs[None, :], _decoded(reduced, BITS), mask=mask)
 
+    _stamp(ctx, 3)
     end_call(counter, epoch)
