@@ -49,7 +49,8 @@ PAGE_STUCK = tl.constexpr(48)
 STUCK_RECORDS = tl.constexpr(64)
 # Under trial (triton_kernels/sentinel.py's stalls): with TDIST_POLL_SAMPLE=1 wait_filled polls
 # one element per POLL_SAMPLE_BYTES of its block (the last of each) until those arrived, and only
-# then the whole block (on 2 H200s, 128 programs: no stall in 16 calls, against 2 in 3 without).
+# then the whole block (on 2 H200s, 128 programs: no stall in 16 calls; without, the second of two
+# calls stalled).
 POLL_SAMPLE = tl.constexpr(os.environ.get("TDIST_POLL_SAMPLE", "0") == "1")
 POLL_SAMPLE_BYTES = tl.constexpr(2048)
 
