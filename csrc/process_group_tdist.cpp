@@ -9,6 +9,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <c10/util/StringUtil.h>
 
 namespace tdist {
@@ -700,6 +701,10 @@ std::string ProcessGroupTDist::abortOverrun(
     abortReasonFinal_ = true;
   }
   abortReasonFinished_.notify_all();
+  // Said at once, as NCCL's watchdog does: the calls that had not finished stopped waiting and
+  // ended with what they had; a caller hears of it only from their Work objects, or from this
+  // group's next call, which raises.
+  LOG(ERROR) << reason << "; the outputs of the calls that had not finished are not valid";
   return reason;
 }
 
