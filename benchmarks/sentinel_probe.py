@@ -96,6 +96,7 @@ def trace_summary(ex):
 def main():
     rank, _, device = start_job()
     late = float(os.environ.get("PROBE_LATE", "0.5"))
+    tracing = os.environ.get("TDIST_SENTINEL_TRACE") == "1"
     for n, dtype in CASES:
         dist.barrier()  # (a rank still in the last case's stalled call would miss the new group's start)
         os.environ["TDIST_ALGORITHM"] = "sentinel"
@@ -113,7 +114,6 @@ def main():
             if trial.endswith(" late") and rank == int(trial.split()[0]):
                 time.sleep(late)
             y = x.clone()
-            tracing = os.environ.get("TDIST_SENTINEL_TRACE") == "1"
             if tracing:
                 clear_trace(ex)
             start = time.perf_counter()
@@ -134,7 +134,7 @@ def main():
                     torch.cuda.synchronize()  # (the stalled kernels have given up)
                     epochs = sorted(set(ex._counter[1:].tolist()))
                     print(f"rank {rank}:   epochs in the counter slots: {epochs}", flush=True)
-                    traced = trace_summary(ex) if os.environ.get("TDIST_SENTINEL_TRACE") == "1" else []
+                    traced = trace_summary(ex) if tracing else []
                     for line in mail_summary(ex, dtype) + stuck_waits(ex, dtype) + [f"trace: {t}" for t in traced]:
                         print(f"rank {rank}:   {line}", flush=True)
                 except Exception as e2:

@@ -426,11 +426,16 @@ else:
             return mask & (((seen >> 32) & 0xFFFFFFFF) != flag)
 
     @jit
+    def _poll_block(ptrs, mask, flag, FILLED: tl.constexpr):
+        """One poll of the whole block: (what it read, 1 if an element is not there yet else 0)."""
+        seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        return seen, largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+
+    @jit
     def _spin_block(ctx, ptrs, mask, flag, FILLED: tl.constexpr):
         """The poll of wait_lines and wait_filled: the whole block at once, volatile loads."""
         abort = tl.load(ctx + CTX_ABORT)
-        seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+        seen, short = _poll_block(ptrs, mask, flag, FILLED)
         polls = 0
         gave_up = abort < 0  # (False: an address)
         if POLL_SAMPLE and FILLED:
@@ -440,11 +445,9 @@ else:
             if POLL_SAMPLE and FILLED:
                 sampled = tl.load(ptrs, mask=sample, other=1, volatile=True)
                 if largest(tl.ravel(tl.where(sample & (sampled == 0), 1, 0))) == 0:
-                    seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                    short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+                    seen, short = _poll_block(ptrs, mask, flag, FILLED)
             else:
-                seen = tl.load(ptrs, mask=mask, other=0, volatile=True)
-                short = largest(tl.ravel(tl.where(_short_in_block(seen, mask, flag, FILLED), 1, 0)))
+                seen, short = _poll_block(ptrs, mask, flag, FILLED)
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
