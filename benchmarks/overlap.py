@@ -11,7 +11,9 @@ the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back (the slowest rank's), after
-``--warmup`` calls; ``--rounds`` rounds time every variant in turn (one loop each), so that a
+``--warmup`` calls (40 calls: the first call's host time, before the GPU has work, counts once
+per loop; at 10 calls it added 15-30 us to each call of tdist's pipelined ways, 150-300 us of
+host time per call on the device's host, against 3-10 us to NCCL + matmul's); ``--rounds`` rounds time every variant in turn (one loop each), so that a
 slow moment of the machine hits all of them; ``<name>_us`` is the median round,
 ``<name>_rounds_us`` every round's (their spread is the noise), ``<name>_host_us`` the host time
 per call in the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
@@ -84,7 +86,7 @@ def main():
     parser.add_argument("--shapes", default=SHAPES, help="MxNxK,...")
     parser.add_argument("--ops", default="ag_gemm,gemm_rs")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()

@@ -145,7 +145,7 @@ def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed)
     small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)
 
 
-@ws_param([2, 3])
+@ws_param([3])
 def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     """TDIST_OVERLAP=tune: a shape class's first call times the sequential path, the pipelined
     way and the fused kernels on every rank; all ranks keep the same choice, and the second call
