@@ -36,16 +36,16 @@ ONESHOT_SIGNATURE = {"ctx": "*i64", "src": "*{dt}", "dst": "*{dt}", "box": "*{dt
 
 
 def _oneshot_specialisations():
-    """The one-launch kernel in each mode, for the dtypes the GPU checks use most (3 ranks, whose
-    fourth signal lane is masked, in three modes); both alignments on 4 ranks, the 16-byte one
-    on 2 and 3 (CI's time goes to compiling)."""
+    """The one-launch kernel in each mode, for the dtypes the GPU checks use most, both
+    alignments, on 4 ranks; bf16 reductions, 16-byte aligned, on 2 and 3 (3: the fourth signal
+    lane masked). CI's time goes to compiling."""
+    fewer_ranks = {2: (("bf16", "all_reduce"), ("bf16", "reduce_scatter")), 3: (("bf16", "reduce_scatter"),)}
     for world in (2, 3, 4):
         for mode, dt, op in (("all_gather", "bf16", "sum"), ("broadcast", "fp32", "sum"),
                              ("all_to_all", "bf16", "sum"), ("all_to_all", "u8", "sum"),
                              ("all_reduce", "bf16", "sum"), ("all_reduce", "fp32", "max"),
                              ("reduce_scatter", "bf16", "avg"), ("reduce_scatter", "i64", "product")):
-            if world == 3 and (dt, mode) not in (("bf16", "all_gather"), ("bf16", "all_to_all"),
-                                                 ("bf16", "reduce_scatter")):
+            if world != 4 and (dt, mode) not in fewer_ranks[world]:
                 continue
             for align in (1, 16 // ITEMSIZE[dt])[(world != 4):]:
                 signature = {k: v.format(dt=dt) for k, v in ONESHOT_SIGNATURE.items()}
@@ -82,7 +82,9 @@ def _streamed_specialisations():
 
 def _lowlatency_specialisations():
     """The low-latency kernel in each mode it serves (words of int32; reductions of bf16, two to a
-    word, and fp32 and int32, one; 3 ranks, a masked lane: the int32 words and bf16)."""
+    word, and fp32 and int32, one) on 4 ranks; on 2, the words and a bf16 reduction; on 3 (a
+    masked lane), the bf16 all_reduce."""
+    fewer_ranks = {2: (("all_gather", tl.int32), ("all_reduce", tl.bfloat16)), 3: (("all_reduce", tl.bfloat16),)}
     signature = {"ctx": "*i64", "src": "*i32", "dst": "*i32", "lines": "*i64", "counter": "*i64",
                  "n": "i64", "stride": "i64", "call_word": "i64"}
     for world in (2, 3, 4):
@@ -90,7 +92,7 @@ def _lowlatency_specialisations():
                                       ("all_reduce", tl.bfloat16, "sum", 2), ("all_reduce", tl.float32, "max", 1),
                                       ("reduce_scatter", tl.bfloat16, "avg", 2),
                                       ("reduce_scatter", tl.int32, "product", 1)):
-            if world == 3 and (mode, op) in (("all_reduce", "max"), ("reduce_scatter", "product")):
+            if world != 4 and (mode, dtype) not in fewer_ranks[world]:
                 continue
             acc = tl.int32 if dtype == tl.int32 else tl.float32
             yield lowlatency.lowlatency_kernel, signature, {
@@ -116,13 +118,14 @@ def specialisations():
     yield from _streamed_specialisations()
     yield from _lowlatency_specialisations()
     yield from _sentinel_specialisations()
-    for world, me in ((2, 1), (4, 3)):  # (ME changes only arithmetic: one rank per world size)
+    # (ME changes only arithmetic: one rank per world size; 2 ranks: bf16, aligned, with pushers)
+    for world, me in ((2, 1), (4, 3)):
         for dt, op in (("bf16", "sum"), ("fp32", "avg"), ("i64", "max"))[:3 if world == 4 else 1]:
-            for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt]):
+            for align in (1, 16 // {"bf16": 2, "fp32": 4, "i64": 8}[dt])[(world != 4):]:
                 common = {"ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
                           "ready": "*i64"}
                 pushes = {"push_src": f"*{dt}", "push_stride": "i64", "push_len": "i64", "push_limit": "i64"}
-                for pushers in (0, 64):
+                for pushers in (0, 64)[(world != 4):]:
                     yield bulk.reduce_chunks_kernel, {
                         **common, "dst": f"*{dt}", "n": "i64", "chunk": "i64", "n_chunks": "i64", **pushes,
                         "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",

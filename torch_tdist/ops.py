@@ -118,10 +118,9 @@ def _rows_class(t: Tensor) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-def _ways() -> dict:
-    """name -> way of the overlapped ops: ("pipelined", chunks) or ("fused", tile config)."""
-    return {**{f"pipelined {c}": ("pipelined", c) for c in PIPELINE_CHUNKS},
-            **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
+# name -> way of the overlapped ops: ("pipelined", chunks) or ("fused", tile config)
+WAYS = {**{f"pipelined {c}": ("pipelined", c) for c in PIPELINE_CHUNKS},
+        **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
 
 
 def _run(group, key, sequential, overlapped, width=None):
@@ -132,8 +131,9 @@ def _run(group, key, sequential, overlapped, width=None):
     (unevenly sharded columns): then ``key`` is tuned once for every width, so that no rank
     tunes alone. (A rank would still tune alone if one width of a class were even and a later
     one uneven with one rank's width equal to the even one: not met in tensor parallelism.)
-    ``overlapped(way)``: the op overlapped one of ``_ways()``'s ways, None where it cannot run;
-    ``overlapped`` None: it cannot for this call."""
+    ``overlapped(way)``: the op overlapped one of ``WAYS``, None where it cannot run;
+    ``overlapped`` None: it cannot for this call. (A tuned call builds nothing it does not run:
+    host time, tens of microseconds a call on slow hosts.)"""
     executor = get_executor(group)
     policy = executor.overlap
     if policy == "auto":
@@ -141,8 +141,7 @@ def _run(group, key, sequential, overlapped, width=None):
     if overlapped is None or policy == "sequential":
         return sequential()
     if policy in ("pipelined", "fused"):  # the kind's first way
-        return _or_sequential(overlapped(next(w for w in _ways().values() if w[0] == policy)), sequential)
-    ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in _ways().items()}}
+        return _or_sequential(overlapped(next(w for w in WAYS.values() if w[0] == policy)), sequential)
     shape_class = key
     if width is not None and shape_class not in executor.uneven_classes:
         key = (*shape_class, width)
@@ -150,12 +149,13 @@ def _run(group, key, sequential, overlapped, width=None):
     if choice is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
+        ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in WAYS.items()}}
         choice, widths_differ, times = _fastest(group, executor.heap.device, ways, width or 0)
         if widths_differ:
             executor.uneven_classes.add(shape_class)
             key = shape_class
         executor.tuned[key], executor.tuning_us[key] = choice, times
-    return _or_sequential(ways[choice](), sequential)
+    return sequential() if choice == "sequential" else _or_sequential(overlapped(WAYS[choice]), sequential)
 
 
 def _or_sequential(result, sequential):
