@@ -47,12 +47,6 @@ PAGE_REGIONS = tl.constexpr(8)
 MAX_REGIONS = tl.constexpr(12)
 PAGE_STUCK = tl.constexpr(48)
 STUCK_RECORDS = tl.constexpr(64)
-# Under trial (triton_kernels/sentinel.py's stalls): with TDIST_POLL_SAMPLE=1 wait_filled polls
-# one element per POLL_SAMPLE_BYTES of its block (the last of each) until those arrived, and only
-# then the whole block (on 2 H200s, 128 programs: no stall in 16 calls; without, the second of two
-# calls stalled).
-POLL_SAMPLE = tl.constexpr(os.environ.get("TDIST_POLL_SAMPLE", "0") == "1")
-POLL_SAMPLE_BYTES = tl.constexpr(2048)
 
 
 def _decide_interpret() -> bool:
@@ -438,16 +432,8 @@ else:
         seen, short = _poll_block(ptrs, mask, flag, FILLED)
         polls = 0
         gave_up = abort < 0  # (False: an address)
-        if POLL_SAMPLE and FILLED:
-            elem_bytes: tl.constexpr = ptrs.dtype.element_ty.primitive_bitwidth // 8
-            sample = mask & (tl.cast(ptrs, tl.int64) % POLL_SAMPLE_BYTES == POLL_SAMPLE_BYTES - elem_bytes)
         while (short != 0) & (not gave_up):
-            if POLL_SAMPLE and FILLED:
-                sampled = tl.load(ptrs, mask=sample, other=1, volatile=True)
-                if largest(tl.ravel(tl.where(sample & (sampled == 0), 1, 0))) == 0:
-                    seen, short = _poll_block(ptrs, mask, flag, FILLED)
-            else:
-                seen, short = _poll_block(ptrs, mask, flag, FILLED)
+            seen, short = _poll_block(ptrs, mask, flag, FILLED)
             polls += 1
             if (polls % ABORT_POLLS == 0) & (abort != 0):
                 gave_up = tl.load(abort.to(tl.pointer_type(tl.int64)), volatile=True) != 0
