@@ -13,9 +13,9 @@ the first tile config (``fused_us``), the pipelined way with its default chunks
 timed with CUDA events around ``--iters`` calls back to back (the slowest rank's), after
 ``--warmup`` calls (40 calls: the first call's host time, before the GPU has work, counts once
 per loop; at 10 calls it added 15-30 us to each call of tdist's pipelined ways, 150-300 us of
-host time per call on the device's host, against 3-10 us to NCCL + matmul's); ``--rounds`` rounds time every variant in turn (one loop each), so that a
-slow moment of the machine hits all of them; ``<name>_us`` is the median round,
-``<name>_rounds_us`` every round's (their spread is the noise), ``<name>_host_us`` the host time
+host time per call on the device's host, against 3-10 us to NCCL + matmul's); ``--rounds``
+rounds time every variant in turn (one loop each), so that a slow moment of the machine hits
+all of them; ``<name>_us`` is the median round, ``<name>_rounds_us`` every round's (their spread is the noise), ``<name>_host_us`` the host time
 per call in the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
 ``overlap_<machine>.json``; ``python benchmarks/plot.py <json>`` draws the speedups.
 """
