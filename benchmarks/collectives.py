@@ -149,18 +149,23 @@ def _time_replay(graph, group, reps=5):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _host_overhead_us(group, device, calls=500):
-    """CPU microseconds per 4 KB all_reduce when many are issued back to back."""
+def _host_overhead_us(groups: dict, device, rounds=9, calls=200) -> dict:
+    """CPU microseconds per 4 KB all_reduce when many are issued back to back, per group of
+    ``groups`` (name -> group; None: the default): the median of ``rounds`` loops of ``calls``
+    calls, the groups' loops in turn (a slow moment of the host counts against each alike)."""
     x = torch.randn(1024, device=device)
-    for _ in range(20):
-        dist.all_reduce(x, group=group)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        dist.all_reduce(x, group=group)
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return issued / calls * 1e6
+    times = {name: [] for name in groups}
+    for _ in range(rounds):
+        for name, group in groups.items():
+            for _ in range(20):
+                dist.all_reduce(x, group=group)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(x, group=group)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
 
 
 def main():
@@ -184,8 +189,7 @@ def main():
     tdist_group = dist.new_group(backend="tdist")
     global _cpu_group
     _cpu_group = dist.new_group(backend="gloo")
-    overhead = {"tdist": round(_host_overhead_us(tdist_group, device), 1),
-                "nccl": round(_host_overhead_us(None, device), 1)}
+    overhead = _host_overhead_us({"tdist": tdist_group, "nccl": None}, device)
     if rank == 0:
         print(f"host overhead per 4 KB all_reduce: tdist {overhead['tdist']} us, nccl {overhead['nccl']} us")
     transport = torch_tdist.get_heap(tdist_group).transport

@@ -1,6 +1,7 @@
 """Host microseconds per call of the layers of one torch_tdist.ops.matmul_reduce_scatter (pipelined,
-replayed from a CUDA graph), outermost first, and of a few single calls for scale; each rank prints
-its own. Where the host time of a call nears its GPU time, the op is host-bound.
+replayed from a CUDA graph) and of one 4 KB all_reduce (tdist's and NCCL's), outermost first, and
+of a few single calls for scale; each rank prints its own. Where the host time of a call nears
+its GPU time, the op is host-bound.
 
     TDIST_OVERLAP=pipelined torchrun --nproc-per-node 2 benchmarks/host_probe.py
 
@@ -25,6 +26,22 @@ def per_call(fn, n: int) -> float:
     us = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
     return round(us, 1)
+
+
+def all_reduce_layers(group, device) -> dict:
+    """A 4 KB all_reduce's host time: through torch.distributed's Python function, through the
+    process group's C++ dispatch (no Python checks), and the backend's own call, for tdist and
+    NCCL; a one-kernel torch op for scale."""
+    x = torch.randn(1024, device=device)
+    nccl = dist.distributed_c10d._get_default_group()
+    rows = {}
+    for name, pg in (("tdist", group), ("nccl", nccl)):
+        backend = pg._get_backend(device)
+        rows[f"{name}: dist.all_reduce"] = per_call(lambda: dist.all_reduce(x, group=pg), 2000)
+        rows[f"{name}: group.allreduce(...).wait()"] = per_call(lambda: pg.allreduce([x]).wait(), 2000)
+        rows[f"{name}: backend.allreduce(...).wait()"] = per_call(lambda: backend.allreduce([x]).wait(), 2000)
+    rows["x.add_(1)"] = per_call(lambda: x.add_(1), 2000)
+    return rows
 
 
 def main():
@@ -53,7 +70,8 @@ def main():
     rows["check_open"] = per_call(lambda: backend.check_open("matmul_reduce_scatter"), 2000)
     rows["watch_queued"] = per_call(lambda: backend.watch_queued("matmul_reduce_scatter", device.index), 2000)
     rows["torch.cuda.current_stream()"] = per_call(torch.cuda.current_stream, 2000)
-    print(rank, rows, flush=True)
+    print(rank, "matmul_reduce_scatter", rows, flush=True)
+    print(rank, "all_reduce", all_reduce_layers(group, device), flush=True)
     dist.destroy_process_group()
 
 

@@ -95,10 +95,13 @@ def _create_backend(dist_opts, backend_options):
     return pg
 
 
+# TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a _ProcessGroupWrapper.
+_WRAPPER = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
+_DEVICES = [torch.device(d) for d in DEVICES]  # (made once: the overlapped ops look a group up per call)
+
+
 def _unwrap(backend):
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps backends in a _ProcessGroupWrapper.
-    wrapper = getattr(torch._C._distributed_c10d, "_ProcessGroupWrapper", None)
-    while wrapper is not None and isinstance(backend, wrapper):
+    while _WRAPPER is not None and isinstance(backend, _WRAPPER):
         backend = backend.wrapped_pg
     return backend
 
@@ -109,9 +112,9 @@ def _tdist_backend(group=None) -> _C.ProcessGroupTDist:
                          "GroupMember.NON_GROUP_MEMBER to it)")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     found = []
-    for device in DEVICES:
+    for device in _DEVICES:
         try:
-            backend = _unwrap(pg._get_backend(torch.device(device)))
+            backend = _unwrap(pg._get_backend(device))
         except RuntimeError:
             continue
         if isinstance(backend, _C.ProcessGroupTDist):

@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from . import language
-from .backend import _tdist_backend, get_executor
+from .backend import _tdist_backend
 from .collectives import GEMM_CONFIGS, PIPELINE_CHUNKS
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
@@ -123,8 +123,9 @@ WAYS = {**{f"pipelined {c}": ("pipelined", c) for c in PIPELINE_CHUNKS},
         **{f"fused {i}": ("fused", t) for i, t in enumerate(GEMM_CONFIGS)}}
 
 
-def _run(group, key, sequential, overlapped, width=None):
-    """The op's result, computed the way the group's policy says (module docstring). ``key``:
+def _run(group, backend, key, sequential, overlapped, width=None):
+    """The op's result, computed the way the group's policy says (module docstring), ``backend``
+    the group's (``_tdist_backend``). ``key``:
     the shape class (the same on every rank). ``width``: a size that may differ between ranks
     (all_gather_matmul's B columns), tuned apart (q/k/v and an MLP's up projection share rows and
     K, not the best way) unless the first tuning of ``key`` found it differing between ranks
@@ -134,7 +135,7 @@ def _run(group, key, sequential, overlapped, width=None):
     ``overlapped(way)``: the op overlapped one of ``WAYS``, None where it cannot run;
     ``overlapped`` None: it cannot for this call. (A tuned call builds nothing it does not run:
     host time, tens of microseconds a call on slow hosts.)"""
-    executor = get_executor(group)
+    executor = backend.executor
     policy = executor.overlap
     if policy == "auto":
         policy = "tune" if executor.heap.device.type == "cuda" else "sequential"
@@ -254,37 +255,52 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     needs it); gradients flow into it only with ``return_a``."""
     dim = _checked_gather(a_shard, bs, gather_dim)
     group = _group(group_name)
+    backend = _tdist_backend(group)
 
     def sequential():
         a_full = _all_gather(a_shard, dim, group)
         return a_full, [torch.matmul(a_full, b) for b in bs]
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, _rows_class(a_shard), a_shard.shape[-1])
-    return _run(group, key, sequential, lambda way: _overlapped_all_gather_matmul(a_shard, bs, group, way, dim),
+    return _run(group, backend, key, sequential,
+                lambda way: _overlapped_all_gather_matmul(a_shard, bs, backend, group.size(), way, dim),
                 width=sum(b.shape[-1] for b in bs))
 
 
-def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group, way: tuple, dim: int):
+def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, world: int, way: tuple, dim: int):
     """The op overlapped (``Executor.all_gather_matmul``, or ``..._pipelined``), or None where
-    the heap cannot take it. The executor gathers rows: a gather along another dimension
-    moves it first (a copy unless the dimensions before it have size 1) and back after."""
-    backend = _tdist_backend(group)
-    executor = backend.executor
-    k, world = a_shard.shape[-1], group.size()
-    moved = a_shard.movedim(dim, 0)
-    a = moved.reshape(-1, k).contiguous()
+    the heap cannot take it. The executor gathers rows (``_as_rows``, ``_from_rows``)."""
+    k = a_shard.shape[-1]
+    a = _as_rows(a_shard, dim)
     b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
     out = a.new_empty((world * a.shape[0], b.shape[1]))
     a_full = a.new_empty((world * a.shape[0], k))
     kind, setting = way
+    executor = backend.executor
     run = executor.all_gather_matmul_pipelined if kind == "pipelined" else executor.all_gather_matmul
     if not _watched(backend, "all_gather_matmul", run, a, b, out, a_full, setting):
         return None
-    lead = (world * moved.shape[0], *moved.shape[1:-1])
-    widths = [w.shape[1] for w in bs]
-    outs = out.split(widths, dim=1)
-    return (_row_major(a_full.view(*lead, k).movedim(0, dim)),
-            [_row_major(o.reshape(*lead, w).movedim(0, dim)) for o, w in zip(outs, widths)])
+    shape = list(a_shard.shape)
+    shape[dim] *= world
+    outs = [out] if len(bs) == 1 else out.split([w.shape[1] for w in bs], dim=1)
+    return _from_rows(a_full, shape, dim), [_from_rows(o, shape[:-1] + [o.shape[1]], dim) for o in outs]
+
+
+def _as_rows(t: Tensor, dim: int) -> Tensor:
+    """``t`` as the overlapped ways take it: [rows, last dimension] contiguous, ``dim`` first
+    (free for a row-major matrix and dim 0; a copy unless the dimensions before ``dim`` have size
+    1 otherwise)."""
+    if dim == 0 and t.dim() == 2 and t.is_contiguous():
+        return t  # (a few microseconds of host time a call saved: the common case)
+    return t.movedim(dim, 0).reshape(-1, t.shape[-1]).contiguous()
+
+
+def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
+    """The inverse of ``_as_rows``: ``rows`` as a row-major tensor of ``shape``."""
+    if dim == 0 and len(shape) == 2 and rows.is_contiguous():
+        return rows
+    moved = [shape[dim], *shape[:dim], *shape[dim + 1:]]
+    return _row_major(rows.reshape(moved).movedim(0, dim))
 
 
 def _watched(backend, op: str, run, *args) -> bool:
@@ -343,28 +359,29 @@ _all_gather_matmul.register_autograd(_gather_backward, setup_context=_gather_set
 def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: int,
                            reduce_op: str) -> Tensor:
     group = _group(group_name)
-    dim = _checked_scatter(a, b, group.size(), scatter_dim, reduce_op)
+    backend = _tdist_backend(group)
+    world = group.size()
+    dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
-    return _run(group, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
-                lambda way: _overlapped_matmul_reduce_scatter(a, b, group, reduce_op, way, dim))
+    return _run(group, backend, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
+                lambda way: _overlapped_matmul_reduce_scatter(a, b, backend, world, reduce_op, way, dim))
 
 
-def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, group, reduce_op: str, way: tuple, dim: int):
+def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, backend, world: int, reduce_op: str, way: tuple,
+                                      dim: int):
     """The op overlapped (``Executor.matmul_reduce_scatter``, or ``..._pipelined``), or None
-    where the heap cannot take it. The executor scatters rows: a scatter along another dimension
-    moves it first (a copy unless the dimensions before it have size 1) and back after."""
-    backend = _tdist_backend(group)
-    executor = backend.executor
-    world = group.size()
-    moved = a.movedim(dim, 0)
-    rows = moved.reshape(-1, a.shape[-1]).contiguous()
+    where the heap cannot take it. The executor scatters rows (``_as_rows``, ``_from_rows``)."""
+    rows = _as_rows(a, dim)
     out = a.new_empty((rows.shape[0] // world, b.shape[1]))
     kind, setting = way
+    executor = backend.executor
     run = executor.matmul_reduce_scatter_pipelined if kind == "pipelined" else executor.matmul_reduce_scatter
     if not _watched(backend, "matmul_reduce_scatter", run, rows, b, out, reduce_op, setting):
         return None
-    return _row_major(out.view(moved.shape[0] // world, *moved.shape[1:-1], b.shape[1]).movedim(0, dim))
+    shape = [*a.shape[:-1], b.shape[1]]
+    shape[dim] //= world
+    return _from_rows(out, shape, dim)
 
 
 def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
