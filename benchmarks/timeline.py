@@ -3,7 +3,7 @@ profiler): when each kernel, copy and memset started and how long it ran. Used t
 way of overlapping is slower than it should be (copies that serialise, matmuls waiting on them).
 
     torchrun --nproc-per-node 4 benchmarks/timeline.py [--op ag_gemm|gemm_rs] [--shape MxNxK]
-             [--overlap pipelined|fused|sequential|tune] [--out DIR]
+             [--overlap pipelined|fused|sequential|tune] [--chunks N] [--out DIR]
 
 Shapes as in benchmarks/overlap.py; bf16 (``--overlap tune``: the way tuning picks, printed).
 Prints the events of two calls after three warm-ups and writes the Chrome trace to
@@ -34,9 +34,13 @@ def main():
     parser.add_argument("--overlap", default="pipelined", choices=("pipelined", "fused", "sequential", "tune"))
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--host", type=int, default=0, help="profile the host in this many calls")
+    parser.add_argument("--chunks", type=int, default=0, help="--overlap pipelined: chunks per rank's part "
+                        "(default: the first of collectives.PIPELINE_CHUNKS)")
     args = parser.parse_args()
     rank, world, device = start_job()
     os.environ["TDIST_OVERLAP"] = args.overlap
+    if args.chunks:  # (the policy "pipelined" runs the first pipelined way)
+        torch_tdist.ops.WAYS = {f"pipelined {args.chunks}": ("pipelined", args.chunks), **torch_tdist.ops.WAYS}
     group = dist.new_group(backend="tdist")
     m, n, k = (int(v) for v in args.shape.split("x"))
     a, b = _operands(args.op, m, n, k, world, device, torch.Generator(device).manual_seed(rank))
@@ -55,7 +59,7 @@ def main():
         torch.cuda.synchronize()
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"timeline_{args.op}_{args.overlap}.json")
+        path = os.path.join(args.out, f"timeline_{args.op}_{args.shape}_{args.overlap}{args.chunks or ''}.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"]
