@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <iostream>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -617,6 +619,9 @@ ProcessGroupTDist::ProcessGroupTDist(
     ownAbortWord_ = std::make_unique<int64_t>(0);
     abortWord_ = ownAbortWord_.get();
   }
+  if (py::hasattr(ex, "tear_down_on_timeout")) {
+    tearDownOnTimeout_ = ex.attr("tear_down_on_timeout").cast<bool>();
+  }
   if (py::hasattr(ex, "abort_page_layout")) {
     auto [regions, maxRegions, stuck, records] =
         ex.attr("abort_page_layout").cast<std::tuple<int, int, int, int>>();
@@ -683,6 +688,17 @@ std::string ProcessGroupTDist::abortOverrun(
   std::string head = c10::str(
       "tdist ", op, ": (rank ", rank_, " of ", size_, ", group '", getGroupUid(),
       "') did not finish within the group's timeout (", timeout.count() / 1000.0, " s)");
+  if (tearDownOnTimeout_) {
+    // NCCL's default too. The call returned before its kernels ran, and the caller's later work
+    // waits for them on the stream; aborting the group would let its kernels give up and that
+    // work use outputs that are not valid (the late peers' names cost that: they are known only
+    // once the kernels give up), so the process ends while they still wait.
+    LOG(ERROR) << head << ": a peer died or made another call; taking this process down "
+               << "before its later GPU work can use this call's outputs (TDIST_ASYNC_ERROR_HANDLING=0 "
+               << "keeps it: the group is aborted and its calls raise, naming the late ranks)";
+    std::cerr.flush();
+    std::abort();
+  }
   abortWith(head, /*final=*/false);
   std::vector<int> late = latePeers();
   std::string reason = head;

@@ -10,7 +10,9 @@ lacked), and ``work.wait()`` (collectives) and any later call raise, naming the 
 Before that, while every rank lives, rank 0 checks that ``abort()`` fails a call still waiting
 for peers (its ``wait()`` raises). Started by tests/test_gpu.py as plain processes (torchrun
 would stop the survivors as soon as one rank dies); prints one line per case and exits 0 when
-every check held.
+every check held. The groups keep their processes (TDIST_ASYNC_ERROR_HANDLING=0); with
+TDIST_DEAD_TEARDOWN=1 they do not (the default), and each survivor's first call after the death
+must take its process down (SIGABRT) within the timeout + 10 s.
 
     RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python -m tests.gpu_dead_peer
 """
@@ -23,6 +25,8 @@ import time
 from datetime import timedelta
 
 os.environ.setdefault("TDIST_GPU_SIZE_LIMITS", "0")
+TEARDOWN = os.environ.get("TDIST_DEAD_TEARDOWN") == "1"
+os.environ["TDIST_ASYNC_ERROR_HANDLING"] = "1" if TEARDOWN else "0"
 import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-multicast safety variables)
 
 import torch  # noqa: E402
@@ -123,7 +127,7 @@ def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    failures = _abort_fails_a_waiting_call(rank, world, device)
+    failures = [] if TEARDOWN else _abort_fails_a_waiting_call(rank, world, device)
     groups = {case: _group(env) for case, (_, _, env) in CASES.items()}
     for case in CASES:  # heaps made, kernels compiled (and the overlapped ops' programs recorded)
         for _ in range(2):
@@ -135,6 +139,18 @@ def main():
     if rank == VICTIM:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1)
+    if TEARDOWN:  # the watchdog must end this process in the first case's call
+        case = next(iter(CASES))
+        start = time.monotonic()
+        work = _call(case, groups[case], world, device)
+        torch.cuda.synchronize()
+        try:
+            outcome = "returned" if work is None or work.wait() else "returned False"
+        except Exception as err:
+            outcome = f"raised {err}"
+        print(f"rank {rank}: FAILED: the process was not taken down ({case}: synchronized after "
+              f"{time.monotonic() - start:.1f} s; wait() {outcome})", flush=True)
+        os._exit(1)
     dead = f"rank(s) {VICTIM} did not arrive"
     for case, (op, _, _) in CASES.items():
         start = time.monotonic()

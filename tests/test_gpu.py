@@ -10,6 +10,7 @@ Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,32 +75,54 @@ def test_gpu_bad_input():
     assert proc.returncode == 0, "GPU bad-input checks failed; their output is above"
 
 
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("transport", ["cuda", "nvshmem"])
-def test_gpu_dead_peer(transport):
-    """A rank SIGKILLed among 4 (2 if fewer GPUs): the survivors' all_gather, reduce_scatter,
-    all_reduce and all_to_all (one-shot kernels, and the bulk path's pulls and pushes) and
-    torch_tdist.ops' overlapped ops raise within the timeout + 10 s naming the dead rank, their
-    groups are destroyed, and their processes exit; before, abort() failed a waiting call
-    (tests/gpu_dead_peer.py)."""
+def _dead_peer_ranks(transport: str, env: dict, limit_s: float, capture: bool = False) -> list:
+    """tests/gpu_dead_peer.py on 4 GPUs (2 if fewer), plain processes: (exit code, stderr or
+    None) of each rank, once all exited; fails the test if one outlives ``limit_s``."""
     world = min(torch.cuda.device_count(), 4)
     if world < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = 29500 + os.getpid() % 1000 + 1000 * (transport == "nvshmem")
+    port = 29500 + os.getpid() % 1000 + 1000 * (transport == "nvshmem") + 2000 * capture
     env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": transport, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "TDIST_DEAD_RANK": str(DEAD_RANK)}
+           "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "TDIST_DEAD_RANK": str(DEAD_RANK), **env}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_dead_peer"], cwd=root,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stderr=subprocess.PIPE if capture else None, text=True) for r in range(world)]
     start = time.monotonic()
-    codes = []
+    results = []
     for proc in procs:
         try:
-            codes.append(proc.wait(timeout=max(1.0, 300 - (time.monotonic() - start))))
+            _, err = proc.communicate(timeout=max(1.0, limit_s - (time.monotonic() - start)))
+            results.append((proc.returncode, err))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             pytest.fail("a surviving rank did not exit (a kernel kept spinning?)")
-    survivors = [code for r, code in enumerate(codes) if r != DEAD_RANK]
-    assert codes[DEAD_RANK] == -9, f"rank {DEAD_RANK} was to kill itself: {codes}"
-    assert survivors == [0] * (world - 1), f"survivors' exit codes {survivors}; their output is above"
+    assert results[DEAD_RANK][0] == -9, f"rank {DEAD_RANK} was to kill itself: {results}"
+    return [r for rank, r in enumerate(results) if rank != DEAD_RANK]
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("transport", ["cuda", "nvshmem"])
+def test_gpu_dead_peer(transport):
+    """A rank SIGKILLed among 4 (2 if fewer GPUs), TDIST_ASYNC_ERROR_HANDLING=0: the survivors'
+    all_gather, reduce_scatter, all_reduce and all_to_all (one-shot kernels, and the bulk path's
+    pulls and pushes) and torch_tdist.ops' overlapped ops raise within the timeout + 10 s naming
+    the dead rank, their groups are destroyed, and their processes exit; before, abort() failed
+    a waiting call (tests/gpu_dead_peer.py)."""
+    survivors = [code for code, _ in _dead_peer_ranks(transport, {}, 300)]
+    assert survivors == [0] * len(survivors), f"survivors' exit codes {survivors}; their output is above"
+
+
+@pytest.mark.timeout(180)
+def test_gpu_dead_peer_takes_the_process_down():
+    """The default (TDIST_ASYNC_ERROR_HANDLING=1), as NCCL's: a survivor's all_reduce that
+    waits for the dead rank past the group's timeout ends its process (SIGABRT), saying why,
+    while its kernel still waits (the script's synchronize() never returns), so that no later
+    work uses the call's output."""
+    survivors = _dead_peer_ranks("cuda", {"TDIST_DEAD_TEARDOWN": "1", "TDIST_DEAD_CASES": "all_reduce"}, 150,
+                                 capture=True)
+    for code, err in survivors:
+        assert code == -signal.SIGABRT, f"exit code {code}, stderr:\n{err[-3000:]}"
+        for words in ("all_reduce", "did not finish within the group's timeout", "taking this process down"):
+            assert words in err, f"{words!r} not in stderr:\n{err[-3000:]}"

@@ -352,6 +352,11 @@ class Executor:
         if uneven not in ("0", "1"):  # (every rank must choose the same)
             raise ValueError(f"tdist: TDIST_UNEVEN_ALL_TO_ALL={uneven!r}; expected 0 or 1")
         self.gpu_uneven_all_to_all = uneven == "1" or not limited
+        handling = os.environ.get("TDIST_ASYNC_ERROR_HANDLING", "1")
+        if handling not in ("0", "1"):
+            raise ValueError(f"tdist: TDIST_ASYNC_ERROR_HANDLING={handling!r}; expected 0 or 1")
+        # read by the C++ backend: a GPU call past the timeout takes the process down (README)
+        self.tear_down_on_timeout = handling == "1"
 
     @property
     def mailbox_bytes(self) -> int:
