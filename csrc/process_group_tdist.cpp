@@ -693,7 +693,7 @@ std::string ProcessGroupTDist::abortOverrun(
     // waits for them on the stream; aborting the group would let its kernels give up and that
     // work use outputs that are not valid (the late peers' names cost that: they are known only
     // once the kernels give up), so the process ends while they still wait.
-    LOG(ERROR) << head << ": a peer died or made another call; taking this process down "
+    LOG(ERROR) << head << ": a peer died, made another call or is late; taking this process down "
                << "before its later GPU work can use this call's outputs (TDIST_ASYNC_ERROR_HANDLING=0 "
                << "keeps it: the group is aborted and its calls raise, naming the late ranks)";
     std::cerr.flush();

@@ -401,7 +401,7 @@ class ProcessGroupTDist : public c10d::Backend {
   std::array<int64_t, kNumOps> gpuServedFrom_;
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
-  bool tearDownOnTimeout_ = false; // the executor's tear_down_on_timeout (TDIST_ASYNC_ERROR_HANDLING)
+  bool tearDownOnTimeout_ = true; // the executor's tear_down_on_timeout, if it has one (TDIST_ASYNC_ERROR_HANDLING)
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
   // The group's last GPU call, where it ran and its end: a call on another
   // stream first waits for it. One for calls outside CUDA graph captures, one

@@ -10,9 +10,11 @@ Marked ``gpu``; skipped on machines with fewer GPUs. The device script runs them
 """
 
 import os
+import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -85,19 +87,25 @@ def _dead_peer_ranks(transport: str, env: dict, limit_s: float, capture: bool = 
     port = 29500 + os.getpid() % 1000 + 1000 * (transport == "nvshmem") + 2000 * capture
     env = {**os.environ, **SAFE_ENV, "TDIST_TRANSPORT": transport, "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "TDIST_DEAD_RANK": str(DEAD_RANK), **env}
+    # (stderr to files, not pipes, which could fill while another rank is waited for; no core
+    # files from the ranks that abort)
+    logs = [tempfile.TemporaryFile(mode="w+") if capture else None for _ in range(world)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_dead_peer"], cwd=root,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE if capture else None, text=True) for r in range(world)]
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=logs[r],
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+             for r in range(world)]
     start = time.monotonic()
     results = []
-    for proc in procs:
+    for proc, log in zip(procs, logs):
         try:
-            _, err = proc.communicate(timeout=max(1.0, limit_s - (time.monotonic() - start)))
-            results.append((proc.returncode, err))
+            proc.wait(timeout=max(1.0, limit_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             pytest.fail("a surviving rank did not exit (a kernel kept spinning?)")
+        if log is not None:
+            log.seek(0)
+        results.append((proc.returncode, log.read() if log is not None else None))
     assert results[DEAD_RANK][0] == -9, f"rank {DEAD_RANK} was to kill itself: {results}"
     return [r for rank, r in enumerate(results) if rank != DEAD_RANK]
 
