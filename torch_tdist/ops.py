@@ -296,11 +296,11 @@ def _as_rows(t: Tensor, dim: int) -> Tensor:
 
 
 def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
-    """The inverse of ``_as_rows``: ``rows`` as a row-major tensor of ``shape``."""
-    if dim == 0 and len(shape) == 2 and rows.stride() == (max(shape[1], 1), 1):  # (is_contiguous()
-        return rows  # passes size-1 dimensions with other strides, which compiled regions tell apart)
-    moved = [shape[dim], *shape[:dim], *shape[dim + 1:]]
-    return _row_major(rows.reshape(moved).movedim(0, dim))
+    """The inverse of ``_as_rows``: ``rows`` as a row-major tensor of ``shape`` (itself where it
+    is one already: ``_row_major``)."""
+    if dim != 0 or len(shape) != 2:
+        rows = rows.reshape([shape[dim], *shape[:dim], *shape[dim + 1:]]).movedim(0, dim)
+    return _row_major(rows)
 
 
 def _watched(backend, op: str, run, *args) -> bool:
