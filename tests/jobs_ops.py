@@ -88,6 +88,26 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     chk.done()
 
 
+def pipelined_reduce_scatter(rank, ws, dtype, seed, reduce_op, chunks):
+    """The executor's pipelined matmul_reduce_scatter, ``chunks`` chunks a part, twice on fresh
+    operands into a poisoned output: with 1 chunk on 3 ranks and 1 or 2 on 4, this rank's own part
+    is added into the slot of the peer whose part lands first (BulkPath.reduce_scatter_pipelined),
+    with 4 on 4 it is not."""
+    chk = Checker(rank, f"matmul_reduce_scatter_pipelined[{dtype}, {reduce_op}, {chunks} chunks]")
+    d = dt(dtype)
+    m, k, n = 9, 40, 50
+    executor = torch_tdist.get_executor()
+    for call in range(2):
+        a = {r: _operand([ws * m, k], d, seed, 800 + 10 * call + r) for r in range(ws)}
+        b = {r: _operand([k, n], d, seed, 900 + 10 * call + r) for r in range(ws)}
+        out = torch.full((m, n), float("nan"), dtype=d)
+        ran = executor.matmul_reduce_scatter_pipelined(a[rank], b[rank], out, reduce_op, chunks)
+        chk.true(ran, "path", "the heap did not take the pipelined op")
+        total = sum(a[r].double() @ b[r].double() for r in range(ws)) / (ws if reduce_op == "avg" else 1)
+        chk.products_close(out, total.chunk(ws)[rank], f"output of call {call}")
+    chk.done()
+
+
 def compiled(rank, ws, seed):
     """torch.compile(fullgraph=True) traces both ops (their fake kernels and autograd) and
     computes what eager mode does."""

@@ -85,6 +85,19 @@ def test_overlapped_matmul_reduce_scatter(overlapped_pool, dtype, shape, reduce_
     overlapped_pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op, shape, True, timeout=240)
 
 
+@pytest.mark.parametrize("world_size,chunks,dtype,reduce_op", [
+    (3, 1, "float32", "sum"), (3, 1, "bfloat16", "avg"), (4, 2, "bfloat16", "sum"), (4, 4, "float32", "avg")],
+    ids=["ws3-1chunk-fp32-sum", "ws3-1chunk-bf16-avg", "ws4-2chunks-bf16-sum", "ws4-4chunks-fp32-avg"])
+def test_pipelined_matmul_reduce_scatter(world_size, chunks, dtype, reduce_op, seed):
+    """Chunk counts where this rank's own part is added into a peer's (3 ranks, 1 chunk; 4, 2) and
+    where it is not (4, 4)."""
+    key = (world_size, "pipelined")
+    if key not in _FUSED:
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, pipelined)",
+                               env=OVERLAPPED_WAYS["pipelined"])
+    _FUSED[key].run(J.pipelined_reduce_scatter, dtype, seed, reduce_op, chunks, timeout=240)
+
+
 @ws_param([2])
 def test_overlapped_ops_along_dim_1(overlapped_pool, seed):
     """A [2, S, k] gathered or scattered along S (sequence parallelism): the overlapped ways take
