@@ -1,6 +1,6 @@
 """The bulk path's reduce kernel alone on one GPU: how fast it sums world parts (flags already up)
 for a few grid sizes, block sizes and warps, beside torch's own sum and a plain copy of the same
-bytes, with and without this rank's part folded into a peer's (``OWN_FOLDED``).
+bytes.
 
     python benchmarks/reduce_probe.py [--elements N] [--world 4] [--configs P:B:W,...] [--out DIR]
 
@@ -60,14 +60,12 @@ def main():
     ctx[language.CTX_RANK.value], ctx[language.CTX_WORLD.value] = me, world
     ctx[language.CTX_TIMEOUT_MS.value] = 60_000
 
-    peers_sum = slots.view(world, n).float().sum(0) - slots.view(world, n)[me].float()
-    want = {0: peers_sum + own.float(), 1: peers_sum}  # (folded: part ``me`` is in a peer's slot)
+    want = slots.view(world, n).float().sum(0) - slots.view(world, n)[me].float() + own.float()
 
-    def launch(programs, block_bytes, warps, folded):
+    def launch(programs, block_bytes, warps):
         bulk.reduce_chunks_kernel[(programs,)](
             ctx, own, slots, n, ready, dst, n, n, 1, own, 0, 0, 0, ME=me, WORLD=world, KMAX=KMAX,
-            BLOCK=block_bytes // dtype.itemsize, ALIGN=8, OP="sum", ACC=tl.float32, PUSHERS=0,
-            OWN_FOLDED=folded, num_warps=warps)
+            BLOCK=block_bytes // dtype.itemsize, ALIGN=8, OP="sum", ACC=tl.float32, PUSHERS=0, num_warps=warps)
 
     if args.configs:
         configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
@@ -75,30 +73,26 @@ def main():
         configs = list(itertools.product((132, 264, 528, 1056), (8192, 16384, 32768), (4, 8, 16)))
     part_bytes = n * dtype.itemsize
     parts = slots.view(world, n)
-    variants = {("torch.sum", 0): (lambda: torch.sum(parts, 0, out=dst), world + 1),
-                ("copy", 0): (lambda: dst.copy_(own), 2)}
+    variants = {"torch.sum": (lambda: torch.sum(parts, 0, out=dst), world + 1),
+                "copy": (lambda: dst.copy_(own), 2)}
     errors = {}
-    for folded in (0, 1):
-        for programs, block_bytes, warps in configs:
-            dst.fill_(float("nan"))
-            launch(programs, block_bytes, warps, folded)
-            errors[(programs, block_bytes, warps), folded] = ((dst.float() - want[folded]).norm()
-                                                             / want[folded].norm()).item()
-            variants[(programs, block_bytes, warps), folded] = (
-                lambda c=(programs, block_bytes, warps), f=folded: launch(*c, f), world + 1 - folded)
+    for config in configs:
+        dst.fill_(float("nan"))
+        launch(*config)
+        errors[config] = ((dst.float() - want).norm() / want.norm()).item()
+        variants[config] = (lambda c=config: launch(*c), world + 1)
     times = {key: [] for key in variants}
     for _ in range(args.rounds):
         for key, (fn, _) in variants.items():
             times[key].append(_median_us(fn, args.repeats))
     rows = []
-    for (config, folded), (_, moved) in variants.items():
-        us = statistics.median(times[config, folded])
+    for config, (_, moved) in variants.items():
+        us = statistics.median(times[config])
         row = {"variant": config if isinstance(config, str) else "kernel", "us": round(us, 1),
-               "rounds_us": [round(t, 1) for t in times[config, folded]],
+               "rounds_us": [round(t, 1) for t in times[config]],
                "tb_per_s": round(moved * part_bytes / us / 1e6, 3)}
         if not isinstance(config, str):
-            row.update(own_folded=folded, programs=config[0], block_bytes=config[1], num_warps=config[2],
-                       relative_error=errors[config, folded])
+            row.update(programs=config[0], block_bytes=config[1], num_warps=config[2], relative_error=errors[config])
         rows.append(row)
         print(row, flush=True)
     machine = torch.cuda.get_device_name(dev).replace(" ", "_")

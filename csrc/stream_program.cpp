@@ -101,7 +101,6 @@ StreamProgram::StreamProgram(
       s.out = view(t[2]);
       s.a = view(t[3]);
       s.b = view(t[4]);
-      s.accumulate = t[5].cast<bool>();
     } else if (kind == "launch") {
       s.kind = Launch;
       s.stream = t[1].cast<int>();
@@ -179,11 +178,7 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
         auto out = resolve(s.out, roles);
         guard.exchangeStream(torchStream(s.stream)); // cuBLAS runs on the current stream
         try {
-          if (s.accumulate) {
-            out.addmm_(resolve(s.a, roles), resolve(s.b, roles));
-          } else {
-            at::mm_out(out, resolve(s.a, roles), resolve(s.b, roles));
-          }
+          at::mm_out(out, resolve(s.a, roles), resolve(s.b, roles));
         } catch (...) {
           guard.exchangeStream(main);
           throw;

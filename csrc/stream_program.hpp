@@ -57,7 +57,6 @@ class StreamProgram {
     Address dst, src;
     uint64_t count = 0; // bytes to copy, int64s to zero, the value to write
     View out, a, b;
-    bool accumulate = false; // Matmul: out += a @ b
     int launch = -1;
     int waited = 0; // After: the stream that `stream` waits for
   };

@@ -134,10 +134,9 @@ def specialisations():
                     yield bulk.reduce_chunks_kernel, {
                         **common, "dst": f"*{dt}", "n": "i64", "chunk": "i64", "n_chunks": "i64", **pushes,
                         "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BLOCK": "constexpr",
-                        "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr", "PUSHERS": "constexpr",
-                        "OWN_FOLDED": "constexpr"}, {
+                        "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr", "PUSHERS": "constexpr"}, {
                             "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align, "OP": op,
-                            "ACC": ACC[dt], "PUSHERS": pushers, "OWN_FOLDED": 0}
+                            "ACC": ACC[dt], "PUSHERS": pushers}
                     yield bulk.gather_chunks_kernel, {
                         **common, "out": f"*{dt}", "part_stride": "i64", "part_len": "i64", "limit": "i64",
                         "chunk": "i64", "n_chunks": "i64", **pushes, "ME": "constexpr", "WORLD": "constexpr",
@@ -145,17 +144,6 @@ def specialisations():
                         "PUSHERS": "constexpr"}, {
                             "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align,
                             "PUSHERS": pushers}
-    # the own part folded into a peer's (pipelined matmul_reduce_scatter's sums on 3+ ranks); rank 0
-    # starts from zeros
-    for me in (0, 3):
-        yield bulk.reduce_chunks_kernel, {
-            "ctx": "*i64", "own": "*bf16", "slots": "*bf16", "slot_stride": "i64", "ready": "*i64", "dst": "*bf16",
-            "n": "i64", "chunk": "i64", "n_chunks": "i64", "push_src": "*bf16", "push_stride": "i64",
-            "push_len": "i64", "push_limit": "i64", "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr",
-            "BLOCK": "constexpr", "ALIGN": "constexpr", "OP": "constexpr", "ACC": "constexpr",
-            "PUSHERS": "constexpr", "OWN_FOLDED": "constexpr"}, {
-                "ME": me, "WORLD": 4, "KMAX": 64, "BLOCK": 8192, "ALIGN": 8, "OP": "sum", "ACC": tl.float32,
-                "PUSHERS": 0, "OWN_FOLDED": 1}
     for dt, pushers, config in [("bf16", 48, GEMM_CONFIGS[0]), ("fp32", 0, GEMM_CONFIGS[0])] + [
             ("bf16", 0, c) for c in GEMM_CONFIGS]:
         tiles = {key: config[key] for key in ("BM", "BN", "BK")}
@@ -182,7 +170,6 @@ def specialisations():
             yield bulk.wait_peers_kernel, {"ctx": "*i64", "flags": "*i64", "stride": "i64", "value": value,
                                            "ME": "constexpr", "WORLD": "constexpr"}, {
                                                "ME": me, "WORLD": world, **({"value": 1} if value == "constexpr" else {})}
-    yield bulk.wait_flags_kernel, {"ctx": "*i64", "flags": "*i64", "count": "i64"}, {}
     yield _every_primitive, {"ctx": "*i64", "buf": "*fp32", "sig": "*i64", "n": "i64", "epoch": "i64",
                              "BLOCK": "constexpr"}, {"BLOCK": 1024}
     # The staged path's kernels for 4 ranks in every dtype (reductions: every dtype summed, every

@@ -714,28 +714,7 @@ def pipelined_graphs(tg, rank, world, device, gen):
     third on replay a graph; each call's outputs against NCCL + torch.matmul in float32."""
     if NVSHMEM:
         return
-    _pipelined_graph_calls("pipelined_graphs", torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"})),
-                           world, device, gen)
-
-
-def pipelined_folded(tg, rank, world, device, gen):
-    """pipelined_graphs' calls with matmul_reduce_scatter adding this rank's own part into a peer's
-    slot at any world size and chunk count (``BulkPath.folds_own_part`` forced: 2 ranks, where it
-    would delay the call, never do it on their own)."""
-    if NVSHMEM:
-        return
-    from torch_tdist.bulk import BulkPath
-
     executor = torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"}))
-    natural = BulkPath.folds_own_part
-    BulkPath.folds_own_part = lambda self, reduce_op, n_chunks: True  # (the first call records it)
-    try:
-        _pipelined_graph_calls("pipelined_folded", executor, world, device, gen)
-    finally:
-        BulkPath.folds_own_part = natural
-
-
-def _pipelined_graph_calls(label, executor, world, device, gen):
     m, n, k, calls = 256, 512, 384, 5
 
     def empty(*shape):
@@ -749,19 +728,19 @@ def _pipelined_graph_calls(label, executor, world, device, gen):
             t.fill_(float("nan"))
         if not (executor.all_gather_matmul_pipelined(a, b, out, a_out, 2)
                 and executor.matmul_reduce_scatter_pipelined(rs_a, b, rs_out, "sum", 2)):
-            _failures.append(f"{label}: the heap did not take the pipelined ops")
+            _failures.append("pipelined_graphs: the heap did not take the pipelined ops")
             return
         a_full = torch.empty(world * m, k, device=device)
         dist.all_gather_into_tensor(a_full, a.float())
-        _relative(f"{label} all_gather_matmul call {call}", out, a_full @ b.float())
-        _relative(f"{label} all_gather_matmul gathered A call {call}", a_out, a_full, tolerance=0)
+        _relative(f"graphs all_gather_matmul call {call}", out, a_full @ b.float())
+        _relative(f"graphs all_gather_matmul gathered A call {call}", a_out, a_full, tolerance=0)
         want = torch.empty(m, n, device=device)
         dist.reduce_scatter_tensor(want, rs_a.float() @ b.float())
-        _relative(f"{label} matmul_reduce_scatter call {call}", rs_out, want)
+        _relative(f"graphs matmul_reduce_scatter call {call}", rs_out, want)
     global _checked
     _checked += 1
     if executor.graph_calls != 2 * (calls - 2):
-        _failures.append(f"{label}: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
+        _failures.append(f"pipelined_graphs: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
 
 
 def pipelined_tf32_switch(tg, rank, world, device, gen):
@@ -1046,7 +1025,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_folded, pipelined_back_to_back,
+          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 # Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).

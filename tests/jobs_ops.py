@@ -89,10 +89,9 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
 
 
 def pipelined_reduce_scatter(rank, ws, dtype, seed, reduce_op, chunks):
-    """The executor's pipelined matmul_reduce_scatter, ``chunks`` chunks a part, twice on fresh
-    operands into a poisoned output: with 1 chunk on 3 ranks and 1 or 2 on 4, this rank's own part
-    is added into the slot of the peer whose part lands first (BulkPath.reduce_scatter_pipelined),
-    with 4 on 4 it is not."""
+    """The executor's pipelined matmul_reduce_scatter (BulkPath.reduce_scatter_pipelined),
+    ``chunks`` chunks a part, twice on fresh operands into a poisoned output (the second call
+    must find the flags the first raised cleared)."""
     chk = Checker(rank, f"matmul_reduce_scatter_pipelined[{dtype}, {reduce_op}, {chunks} chunks]")
     d = dt(dtype)
     m, k, n = 9, 40, 50

@@ -89,8 +89,8 @@ def test_overlapped_matmul_reduce_scatter(overlapped_pool, dtype, shape, reduce_
     (3, 1, "float32", "sum"), (3, 1, "bfloat16", "avg"), (4, 2, "bfloat16", "sum"), (4, 4, "float32", "avg")],
     ids=["ws3-1chunk-fp32-sum", "ws3-1chunk-bf16-avg", "ws4-2chunks-bf16-sum", "ws4-4chunks-fp32-avg"])
 def test_pipelined_matmul_reduce_scatter(world_size, chunks, dtype, reduce_op, seed):
-    """Chunk counts where this rank's own part is added into a peer's (3 ranks, 1 chunk; 4, 2) and
-    where it is not (4, 4)."""
+    """The pipelined way on 3 and 4 ranks (the other tests run it on 2 and 3, at the policy's chunk
+    count), at 1, 2 and 4 chunks a part."""
     key = (world_size, "pipelined")
     if key not in _FUSED:
         _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, pipelined)",

@@ -64,8 +64,11 @@ KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs 
 # matmul_reduce_scatter geometric mean went 1.248x -> 1.295x with it).
 RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Their warps in the reduce kernel. On an H200, 4 parts of 117 MB (flags up) summed in 186.8 us
-# with 16, 195.2 with 8; 3 parts (the own part folded into a peer's) in 153.6 against 173.2
-# (benchmarks/results/reduce_probe_NVIDIA_H200.json; a plain copy of the bytes reaches 3.5 TB/s).
+# with 16, 195.2 with 8; on another 163.2 and 174.0 (benchmarks/results/reduce_probe_NVIDIA_H200
+# .json, -warps.json; a plain copy of the bytes: 3.5-3.7 TB/s). The pipelined
+# matmul_reduce_scatter with 16: 1.006x and 1.014x on 4 H200s (geometric means of the 9 overlap
+# shapes at 1 and 2 chunks; 0.991x-1.13x a shape), 1.000x and 1.002x on 2
+# (benchmarks/results/ab_reduce_scatter_NVIDIA_H200-x*.log).
 RECEIVING_WARPS = 16
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
@@ -77,7 +80,6 @@ PUSH_PROGRAMS = 1 if language.INTERPRET else 48
 # pushes (4 H200s, two benchmark runs minutes apart, not side by side: 1.13x-1.15x slower where
 # the transfer outlasts the matmul, the matmul alone 1.02x).
 MATMUL_STREAMS = 2
-COPIER = 3  # all_gather_matmul's side stream that copies this rank's rows into its area
 
 
 def _runs_of_rows(lo: int, hi: int, row: int, runs: int) -> list[tuple[int, int]]:
@@ -150,16 +152,11 @@ class BulkPath:
             compiled = self._launch(op, kernel, grid, *args, **meta)
         self.streams.record("launch", stream, kernel, compiled, grid, args, meta)
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, stream: int = 0,
-               accumulate: bool = False):
-        """``out = a @ b`` (``out += a @ b`` if ``accumulate``: cuBLAS adds in its epilogue) on
-        ``stream`` (recorded as ``("mm", stream, out, a, b, accumulate)``)."""
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, stream: int = 0):
+        """``out = a @ b`` on ``stream`` (recorded as ``("mm", stream, out, a, b)``)."""
         with self.streams.on(stream):
-            if accumulate:
-                out.addmm_(a, b)
-            else:
-                torch.mm(a, b, out=out)
-        self.streams.record("mm", stream, out, a, b, accumulate)
+            torch.mm(a, b, out=out)
+        self.streams.record("mm", stream, out, a, b)
 
     def _matmul_streams(self, first_side: int) -> tuple[int, ...]:
         """The streams all_gather_matmul's pipelined matmuls take in turn: the main one, then (with
@@ -170,8 +167,7 @@ class BulkPath:
         self.streams.after(first_side, 0)
         return (0, first_side)
 
-    def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0,
-                       raised_on: int | None = None):
+    def _start_barrier(self, op: str, signature: int, sides: int | None = None, stream: int = 0):
         """Every peer has finished its previous call and makes this one (the same
         ``signature``: op, dtype, count, chunks), on ``stream``; then the call's other side
         streams are ordered after it. From here until the call returns, the group's flags are
@@ -179,18 +175,17 @@ class BulkPath:
         ``stream`` waits after the main stream's earlier work while the main stream goes on
         (with what touches no peer: its own part of a pipelined op), and the caller orders the
         main stream after it before any kernel that waits for peers (which could otherwise
-        hold every SM while this barrier's kernel waits for one). ``raised_on``: the stream
-        that tells the peers, after its earlier work (``stream`` if None)."""
+        hold every SM while this barrier's kernel waits for one)."""
         self.in_flight = True
         streams = self.streams
         sides = self.world - 1 if sides is None else sides
-        raised_on = stream if raised_on is None else raised_on
-        streams.begin(max(sides, stream, raised_on))
+        streams.begin(max(sides, stream))
         if stream:
             streams.after(stream, 0)
         for p in self._peers():
-            streams.write(raised_on, self._flag_address(p, self.rank), signature)
+            streams.write(stream, self._flag_address(p, self.rank), signature)
         self._wait_for_peers(op, 0, 1, signature, "to start the same call", stream)
+        streams.zero(stream, self._flags[:self.world])
         streams.fork(sides, stream)
 
     def _push(self, flag_set: int, src: torch.Tensor, src_stride: int, part_len: int, limit: int,
@@ -224,10 +219,10 @@ class BulkPath:
 
     def _wait_for_peers(self, op: str, first: int, stride: int, value: int, what: str, stream: int = 0):
         """Hold ``stream`` (0: the caller's) until every peer ``p``'s flag ``first + p * stride``
-        (in this rank's heap) is ``value``, then zero those flags. GPUs: a one-program kernel,
-        which gives up once the group is aborted (the watchdog raises). CPU: this thread polls,
-        gives up after the group's timeout, and raises a ValueError at once if a peer wrote
-        another value (it made a different call: another collective, dtype or element count)."""
+        (in this rank's heap) is ``value``. GPUs: a one-program kernel, which gives up once the group is
+        aborted (the watchdog raises). CPU: this thread polls, gives up after the group's timeout,
+        and raises a ValueError at once if a peer wrote another value (it made a different call:
+        another collective, dtype or element count)."""
         if self.device.type == "cuda":
             self._kernel(op, bulk.wait_peers_kernel, (1,), self.heap.ctx, self._flags[first:], stride, value,
                          stream=stream, ME=self.rank, WORLD=self.world)
@@ -241,20 +236,6 @@ class BulkPath:
                 raise ValueError(f"tdist: waited for {wanted}, but it made a different call (another "
                                  f"collective, dtype or element count; signature {seen:#x}, "
                                  f"this rank's {value:#x})")
-            slot.value = 0
-
-    def _wait_for_chunks(self, op: str, flag_set: int, sender: int, n_chunks: int):
-        """Hold the main stream until ``sender``'s ``n_chunks`` ready flags of ``flag_set`` are up
-        (GPUs: a one-program kernel that gives up once the group is aborted; CPU: this thread
-        polls, as ``_wait_for_peers``)."""
-        first = self._ready_index(flag_set, sender, 0)
-        if self.device.type == "cuda":
-            self._kernel(op, bulk.wait_flags_kernel, (1,), self.heap.ctx, self._flags[first:], n_chunks)
-            return
-        for k in range(n_chunks):
-            slot = ctypes.c_int64.from_address(self._flag_address(self.rank, first + k))
-            poll_until(lambda: slot.value, lambda v: v == 1, self.heap.timeout_s,
-                       f"{op}: rank {sender}'s chunk {k}", self.heap.abort_address)
 
     def signal_regions(self):
         """(first slot's address, slots per peer, peers) of the flags the bulk path waits on."""
@@ -310,7 +291,7 @@ class BulkPath:
         self._done_with(flag_set)
 
     def _reduce(self, op, own, slots, slot_stride, flag_set, dst, n, chunk, n_chunks, reduce_op, offsets,
-                push, own_folded: bool = False):
+                push):
         dtype = dst.dtype
         grid, push_args, pushers = self._pushers(push, own, RECEIVING_PROGRAMS)
         offsets = (*offsets, slot_stride, chunk, push_args[1])
@@ -320,7 +301,7 @@ class BulkPath:
         self._kernel(op, bulk.reduce_chunks_kernel, (grid,), self.heap.ctx, own, slots, slot_stride,
                      self._flags[self._ready_index(flag_set, 0, 0):], dst, n, chunk, n_chunks, *push_args,
                      ALIGN=vector(dtype) if aligned(dtype, offsets) else 1, OP=reduce_op,
-                     ACC=self._accumulator(dtype), PUSHERS=pushers, OWN_FOLDED=int(own_folded), **meta)
+                     ACC=self._accumulator(dtype), PUSHERS=pushers, **meta)
         self._done_with(flag_set)
 
     # ---- the algorithms -----------------------------------------------------------------
@@ -413,25 +394,12 @@ class BulkPath:
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
-        signature = self._signature(call_word, n, n_chunks)
-        if consume:
-            # This rank's own part is multiplied at once on the main stream, beside the copy of
-            # ``src`` into the area (stream COPIER, which then tells the peers) and the barrier
-            # (stream 1, which then pulls): its one-program kernel, launched before the matmul
-            # on a high-priority stream, holds an SM from the start (a kernel queued behind the
-            # matmul, as the barrier's was when it followed the copy on one side stream, waited
-            # for it: 8192x4608x36864 on 4 H200s, 1803 us instead of 1556). Against the copy
-            # and barrier first on the main stream, on 2 H200s: 1.008x and 1.007x (geometric
-            # means of the 9 overlap shapes, 1 and 2 chunks; 0.990x-1.026x a shape:
-            # benchmarks/results/ab_all_gather_NVIDIA_H200-x2.log)
-            streams.begin(COPIER)
-            streams.after(COPIER, 0)
-            streams.copy(COPIER, self._slots(dtype)[:n], src)
-            self._start_barrier(op, signature, sides=side, stream=1, raised_on=COPIER)
-        else:
-            streams.begin(side)
-            streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
-            self._start_barrier(op, signature, sides=side)
+        # (the copy and the barrier on the main stream: on a side stream, beside this rank's own
+        # part, the copy shared memory bandwidth with the matmul and the pulls started later; on
+        # 4 H200s 8192x4608x36864 took 1803 us instead of 1556, only matmul-bound shapes gained)
+        streams.begin(side)
+        streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
+        self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
         pulls = [(p, k * chunk, min(n, (k + 1) * chunk)) for k in range(n_chunks) for p in self._peers()]
         compute = self._matmul_streams(side + 1) if consume else (0,)
         if consume:
@@ -446,7 +414,7 @@ class BulkPath:
                 streams.after(stream, side)
                 consume(p, lo, gathered[p, lo:hi], stream)
         streams.copy(side, gathered[me], src)  # (last: the copy engine is free while the last chunks are multiplied)
-        streams.join(COPIER if consume else side + len(compute) - 1)
+        streams.join(side + len(compute) - 1)
         for p in self._peers():
             streams.write(0, self._flag_address(p, self._ready_index(1, me, 0)), 1)
         self._wait_for_peers(op, self._ready_index(1, 0, 0), KMAX, 1, "to finish pulling")
@@ -464,16 +432,7 @@ class BulkPath:
         they land, the peers' parts made in ``staging`` (at least world x n elements). One round
         (``part_capacity``), at most KMAX chunks. The first peer's first chunk is made while
         nothing is pushed: it is made and pushed in ``end_pieces`` pieces of whole rows (``row``
-        elements each), its flag raised after the last. ``produce(..., accumulate=True)`` adds
-        into ``dst`` instead.
-
-        With ``n_chunks <= world - 2`` (``folds_own_part``) this rank's own part is added (by the matmul's epilogue)
-        into the slot of the peer whose part for this rank lands first (the previous rank: it
-        pushes to its next rank first), so the exposed reduce reads world - 1 parts, not world.
-        That delays nothing: with matmuls of T a part, pushes of P and c chunks, that peer's last
-        chunk lands by ((c - 1)(w - 1) + 1) T / c + P / c <= (w - 2) T + P / c, so the own
-        matmul ends by max(w T, (w - 1) T + P / c), before which the reduce could not start
-        anyway (the last peer's last chunk lands at (w - 1) T + P / c)."""
+        elements each), its flag raised after the last."""
         n, world, me, dtype = out.numel(), self.world, self.rank, out.dtype
         n_chunks = max(1, -(-n // chunk))
         # The barrier waits on the first peer's push stream while the main stream makes the first
@@ -498,22 +457,11 @@ class BulkPath:
                     self.streams.copy(stream, self._slots(dtype, d)[me * n + start:me * n + end], part)
                 self.streams.write(stream, self._flag_address(d, self._ready_index(0, me, k)), 1)
         own = slots[me * n:(me + 1) * n]
-        fold = self.folds_own_part(reduce_op, n_chunks)
-        if fold:
-            first = (me - 1) % world
-            self._wait_for_chunks(op, 0, first, n_chunks)
-            produce(me, 0, slots[first * n:(first + 1) * n], accumulate=True)
-        else:
-            produce(me, 0, own)
+        produce(me, 0, own)
         self._reduce(op, own, slots, n, 0, out, n, chunk, n_chunks, reduce_op,
-                     offsets=(me * n, chunk), push=None, own_folded=fold)
+                     offsets=(me * n, chunk), push=None)
         self.streams.join(world - 1)
         self.in_flight = False
-
-    def folds_own_part(self, reduce_op: str, n_chunks: int) -> bool:
-        """Whether ``reduce_scatter_pipelined`` adds this rank's own part into a peer's slot (see
-        there: where that delays nothing)."""
-        return reduce_op in ("sum", "avg") and n_chunks <= self.world - 2
 
     def reduce_scatter(self, op: str, call_word: int, out: torch.Tensor, src: torch.Tensor, reduce_op: str):
         """``out`` (flat, n) = OP over ranks of part [this rank] of their flat ``src`` (world x n)."""

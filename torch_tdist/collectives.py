@@ -1183,9 +1183,9 @@ class Executor:
         def calls():
             for row0, rows, chunk in rounds:
 
-                def produce(rank, start, dst, accumulate=False):
+                def produce(rank, start, dst):
                     r0, count = rank * m + row0 + start // n, dst.numel() // n
-                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n), accumulate=accumulate)
+                    self._bulk.matmul(a[r0:r0 + count], b, dst.view(count, n))
 
                 self._bulk_call(op, lambda op_, word, flat, _: self._bulk.reduce_scatter_pipelined(
                     op_, word, flat, chunk, reduce_op, produce, staging, row=n, end_pieces=pieces),
@@ -1329,11 +1329,11 @@ class Executor:
             elif kind == "after":
                 program.append((kind, *step))
             elif kind == "mm":
-                stream, *operands, accumulate = step
+                stream, *operands = step
                 views = [view(t) for t in operands]
                 if None in views:
                     return None
-                program.append((kind, stream, *views, accumulate))
+                program.append((kind, stream, *views))
             else:  # launch
                 stream, kernel, compiled, grid, args, meta = step
 

@@ -98,11 +98,10 @@ def reduce_chunks_kernel(ctx, own, slots, slot_stride, ready, dst, n, chunk, n_c
                          push_src, push_stride, push_len, push_limit,
                          ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
                          BLOCK: tl.constexpr, ALIGN: tl.constexpr, OP: tl.constexpr,
-                         ACC: tl.constexpr, PUSHERS: tl.constexpr, OWN_FOLDED: tl.constexpr = 0):
+                         ACC: tl.constexpr, PUSHERS: tl.constexpr):
     """``dst[i] = OP over ranks s (in rank order) of part_s[i]`` for i < n, part ``ME`` being
     ``own``. Every rank combines in the same order, so results are bit-identical across ranks.
-    With ``PUSHERS``, those programs first push ``push_src`` (see ``_push``). ``OWN_FOLDED`` 1:
-    part ``ME`` is already summed into a peer's slot (``own`` is not read)."""
+    With ``PUSHERS``, those programs first push ``push_src`` (see ``_push``)."""
     pid, nprog, slot_stride, chunk = _pushers_first(ctx, push_src, push_stride, push_len, push_limit, slots,
                                                     slot_stride, ready, chunk, n_chunks, ME, WORLD, KMAX,
                                                     BLOCK, ALIGN, PUSHERS)
@@ -114,36 +113,24 @@ def reduce_chunks_kernel(ctx, own, slots, slot_stride, ready, dst, n, chunk, n_c
             for start in range(k * chunk + pid * BLOCK, end, nprog * BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < end
-                if ME != 0:
-                    acc = tl.load(slots + offs, mask=mask).to(ACC)
-                elif OWN_FOLDED == 1:
-                    acc = tl.full((BLOCK,), 0, ACC)  # (folding is for sums; tl.zeros: not in the interpreter)
-                else:
+                if ME == 0:
                     acc = tl.load(own + offs, mask=mask).to(ACC)
+                else:
+                    acc = tl.load(slots + offs, mask=mask).to(ACC)
                 for s in tl.static_range(1, WORLD):
-                    if s != ME:
-                        acc = _combine(acc, tl.load(slots + s * slot_stride + offs, mask=mask).to(ACC), OP)
-                    elif OWN_FOLDED == 0:
-                        acc = _combine(acc, tl.load(own + offs, mask=mask).to(ACC), OP)
+                    if s == ME:
+                        x = tl.load(own + offs, mask=mask).to(ACC)
+                    else:
+                        x = tl.load(slots + s * slot_stride + offs, mask=mask).to(ACC)
+                    acc = _combine(acc, x, OP)
                 if OP == "avg":
                     acc = acc / WORLD
                 tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
 
 
 @tdl.jit
-def wait_flags_kernel(ctx, flags, count):
-    """One program: holds its stream until the ``count`` flags from ``flags`` on are 1, or the
-    group is aborted (one sender's chunks, before a matmul adds them to its own)."""
-    for k in range(count):
-        tdl.wait(ctx, flags + k, 1)
-
-
-@tdl.jit
 def wait_peers_kernel(ctx, flags, stride, value, ME: tl.constexpr, WORLD: tl.constexpr):
     """One program: holds its stream until every peer ``p``'s flag ``flags + p * stride`` is
-    ``value``, or the group is aborted (the bulk path's barriers on GPUs); then zeroes them (here,
-    not by a memset after it, which would wait for an SM where a matmul beside fills them)."""
+    ``value``, or the group is aborted (the bulk path's barriers on GPUs)."""
     for i in tl.static_range(1, WORLD):
         tdl.wait_equal(ctx, flags + ((ME + i) % WORLD) * stride, value)
-    for i in tl.static_range(1, WORLD):
-        tl.store(flags + ((ME + i) % WORLD) * stride, 0)
