@@ -2,7 +2,7 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|host|reduce|titan|soak|moe|badinput|all]...
+#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|host|reduce|beside|titan|soak|moe|badinput|all]...
 # (several in one call run in this script's order; all: demo, test, bench, moe)
 # checks: tests/gpu_checks.py on $NPROC ranks with ${CHECK_ARGS} (e.g. "--quick --only every_op").
 # probe: benchmarks/sentinel_probe.py (PROBE_* variables), once per variant in PROBE_VARIANTS
@@ -11,6 +11,7 @@
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
 # host: benchmarks/host_probe.py (host time per call, layer by layer; pipelined overlapped ops).
 # reduce: benchmarks/reduce_probe.py (the bulk reduce kernel's grid, blocks and warps, on one GPU).
+# beside: benchmarks/beside_probe.py (when a kernel launched beside a running matmul starts, one GPU).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
 #   (carried to the device, which has no internet: README, "torchtitan"), e.g.
 #   NPROC=4 BENCH_ARGS="--repeat 2" bash benchmarks/device_run.sh titan
@@ -88,6 +89,9 @@ if wants host; then
 fi
 if wants reduce; then
   timeout 300 python3 benchmarks/reduce_probe.py --out "$OUT" ${REDUCE_ARGS:-} 2>&1 | tee "$OUT/reduce_probe.log" || rc=1
+fi
+if wants beside; then
+  timeout 200 python3 benchmarks/beside_probe.py --out "$OUT" 2>&1 | tee "$OUT/beside_probe.log" || rc=1
 fi
 if wants titan; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan_site .whl/*.whl || rc=1
