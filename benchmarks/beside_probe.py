@@ -11,7 +11,10 @@ matmul (so that the matmul runs by then). Per shape and priority: the median ove
 of B's start after A's first stamp, against the matmul's length (B started promptly if its start
 is near the delay, waited for the matmul if near its length), with cuBLAS told to leave
 ``--carveouts`` SMs free (``torch._C._set_sm_carveout_experimental``; 0: none). Control: the
-same with a Triton kernel spinning 1 ms on 64 to 264 programs in place of the matmul. Writes
+same with a Triton kernel spinning 1 ms on 64 to 264 programs in place of the matmul. And a wait
+that holds no SM: a stream held by ``cuStreamWaitValue64`` on a flag, released by a write from a
+third stream ``--delay-us`` into the matmul, then a 1 MB copy (CUDA events: when the flag was
+written, when the waiting stream went on, when its copy was done). Writes
 ``beside_probe_<machine>.json``.
 """
 
@@ -75,6 +78,53 @@ def _rows(work, label: dict, stamps, main_stream, sides, args):
     return rows
 
 
+def _memop_rows(shape, dev, main_stream, args):
+    """The stream-memory-op wait beside a matmul of ``shape`` (module docstring)."""
+    from cuda.bindings import driver as cu
+
+    m, n, k = (int(v) for v in shape.split("x"))
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    flag = torch.zeros(1, dtype=torch.int64, device=dev)
+    src, dst = torch.ones(1 << 19, device=dev), torch.empty(1 << 19, device=dev)
+    waiter, writer = torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev, priority=-1)
+    times = {"written_us": [], "released_us": [], "copied_us": [], "matmul_us": []}
+    for repeat in range(args.repeats + 3):
+        torch.cuda.synchronize()
+        flag.zero_()
+        dst.zero_()
+        torch.cuda.synchronize()
+        events = {name: torch.cuda.Event(enable_timing=True) for name in ("start", "mm", "written", "released", "copied")}
+        err, = cu.cuStreamWaitValue64(cu.CUstream(waiter.cuda_stream), flag.data_ptr(), 1,
+                                      cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+        assert err == cu.CUresult.CUDA_SUCCESS, f"cuStreamWaitValue64: {err}"
+        events["released"].record(waiter)
+        with torch.cuda.stream(waiter):
+            dst.copy_(src)
+        events["copied"].record(waiter)
+        events["start"].record(main_stream)
+        with torch.cuda.stream(main_stream):
+            torch.mm(a, b, out=c)
+        events["mm"].record(main_stream)
+        until = time.perf_counter() + args.delay_us / 1e6
+        while time.perf_counter() < until:
+            pass
+        err, = cu.cuStreamWriteValue64(cu.CUstream(writer.cuda_stream), flag.data_ptr(), 1, 0)
+        assert err == cu.CUresult.CUDA_SUCCESS, f"cuStreamWriteValue64: {err}"
+        events["written"].record(writer)
+        torch.cuda.synchronize()
+        if repeat >= 3:
+            for name, event in (("written_us", "written"), ("released_us", "released"), ("copied_us", "copied"),
+                                ("matmul_us", "mm")):
+                times[name].append(events["start"].elapsed_time(events[event]) * 1000)
+    assert dst.eq(1).all(), "the copy after the wait did not happen"
+    row = {"main": f"matmul {shape}", "side": "cuStreamWaitValue64, then a 1 MB copy",
+           **{name: round(statistics.median(values), 1) for name, values in times.items()}}
+    print(row, flush=True)
+    return [row]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="8192x8192x8192,2048x8192x8192,8192x4096x12288")
@@ -102,6 +152,8 @@ def main():
     for programs in (64, 132, 264):
         rows += _rows(lambda: _spin[(programs,)](scratch, 1_000_000), {"main": f"spin 1 ms, {programs} programs"},
                       stamps, main_stream, sides, args)
+    for shape in args.shapes.split(","):
+        rows += _memop_rows(shape, dev, main_stream, args)
     machine = torch.cuda.get_device_name(dev).replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"beside_probe_{machine}.json")

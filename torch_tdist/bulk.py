@@ -398,8 +398,8 @@ class BulkPath:
         # part, the barrier's kernel started only as the matmul ended (benchmarks/beside_probe.py)
         # and the pulls with it; on 4 H200s 8192x4608x36864 took 1803 us instead of 1556, only
         # matmul-bound shapes gained. With the barrier launched before the matmul and the copy on
-        # a third stream: 1.003x, comm-bound shapes losing to the copy's share of memory
-        # bandwidth: benchmarks/results/ab_all_gather_NVIDIA_H200-x4.log)
+        # a third stream: 1.003x, comm-bound shapes losing, the copy, which needs SMs as a kernel
+        # does, sharing them with the matmul: benchmarks/results/ab_all_gather_NVIDIA_H200-x4.log)
         streams.begin(side)
         streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)
