@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_tdist.launch import SAFE_ENV  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
+
 
 @triton.jit
 def _stamp(out, index):

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from torch_tdist import language
 from torch_tdist.bulk import KMAX
+from torch_tdist.launch import SAFE_ENV  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
 from torch_tdist.triton_kernels import bulk
 
 

@@ -35,25 +35,26 @@ OVERLAPPED_WAYS = {  # id: the group's environment
 }
 
 
+def _pool(world_size: int, label: str, env: dict) -> RankPool:
+    """This module's pool of ``world_size`` ranks with ``env`` (``label`` names it), made on first
+    use and kept until teardown_module."""
+    key = (world_size, label)
+    if key not in _FUSED:
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {label})", env=env)
+    return _FUSED[key]
+
+
 @pytest.fixture(params=list(OVERLAPPED_WAYS))
 def overlapped_pool(world_size, request):
     """Ranks whose torch_tdist.ops overlap the collective: the fused kernels (shards pushed by
     copies or by the kernel's own programs) or the pipelined copies and torch.matmul."""
-    key = (world_size, request.param)
-    if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {key[1]})",
-                               env=OVERLAPPED_WAYS[request.param])
-    yield _FUSED[key]
+    yield _pool(world_size, request.param, OVERLAPPED_WAYS[request.param])
 
 
 @pytest.fixture(params=["fused", "pipelined"])
 def small_heap_pool(world_size, request):
     """Overlapped ops asked for, with a 64K heap: shards larger than its bulk area go in rounds."""
-    key = (world_size, f"{request.param}, small heap")
-    if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {key[1]}, 64K heap)",
-                               env={"TDIST_OVERLAP": request.param, "TDIST_HEAP_SIZE": "64K"})
-    yield _FUSED[key]
+    yield _pool(world_size, f"{request.param}, 64K heap", {"TDIST_OVERLAP": request.param, "TDIST_HEAP_SIZE": "64K"})
 
 
 def teardown_module():
@@ -91,11 +92,8 @@ def test_overlapped_matmul_reduce_scatter(overlapped_pool, dtype, shape, reduce_
 def test_pipelined_matmul_reduce_scatter(world_size, chunks, dtype, reduce_op, seed):
     """The pipelined way on 3 and 4 ranks (the other tests run it on 2 and 3, at the policy's chunk
     count), at 1, 2 and 4 chunks a part."""
-    key = (world_size, "pipelined")
-    if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, pipelined)",
-                               env=OVERLAPPED_WAYS["pipelined"])
-    _FUSED[key].run(J.pipelined_reduce_scatter, dtype, seed, reduce_op, chunks, timeout=240)
+    pool = _pool(world_size, "pipelined", OVERLAPPED_WAYS["pipelined"])
+    pool.run(J.pipelined_reduce_scatter, dtype, seed, reduce_op, chunks, timeout=240)
 
 
 @ws_param([2])
