@@ -2,7 +2,7 @@
 # One device call: build the extension against the GPU image's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|host|reduce|beside|titan|soak|moe|badinput|all]...
+#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|order|host|reduce|beside|titan|soak|moe|badinput|all]...
 # (several in one call run in this script's order; all: demo, test, bench, moe)
 # checks: tests/gpu_checks.py on $NPROC ranks with ${CHECK_ARGS} (e.g. "--quick --only every_op").
 # probe: benchmarks/sentinel_probe.py (PROBE_* variables), once per variant in PROBE_VARIANTS
@@ -12,6 +12,7 @@
 # host: benchmarks/host_probe.py (host time per call, layer by layer; pipelined overlapped ops).
 # reduce: benchmarks/reduce_probe.py (the bulk reduce kernel's grid, blocks and warps, on one GPU).
 # beside: benchmarks/beside_probe.py (when a kernel launched beside a running matmul starts, one GPU).
+# order: benchmarks/order_probe.py (an overlap variant's time after each predecessor, with clocks).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
 #   (carried to the device, which has no internet: README, "torchtitan"), e.g.
 #   NPROC=4 BENCH_ARGS="--repeat 2" bash benchmarks/device_run.sh titan
@@ -82,6 +83,10 @@ fi
 if wants overlap; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/overlap.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/overlap.log" || rc=1
+fi
+if wants order; then
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    benchmarks/order_probe.py --out "$OUT" ${ORDER_ARGS:-} 2>&1 | tee "$OUT/order_probe.log" || rc=1
 fi
 if wants host; then
   TDIST_OVERLAP=pipelined timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \

@@ -11,7 +11,12 @@ the first tile config (``fused_us``), the pipelined way with its default chunks
 (``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
 ``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
 timed with CUDA events around ``--iters`` calls back to back (the slowest rank's), after
-``--warmup`` calls (40 calls: the first call's host time, before the GPU has work, counts once
+``--warmup`` calls, and each timed loop right after ``--preheat-ms`` of the same variant's calls:
+these H200s hold their 700 W power limit by lowering the SM clock (1980 MHz idle, about 1450 MHz
+after some 150 ms of a large matmul), so a short loop's time follows whatever ran before it
+(benchmarks/order_probe.py: 1412 to 1791 us for one ag_gemm shape by its predecessor; a variant
+after a light one ran at the higher clock); pre-heated, every variant is timed in its own
+sustained state, as in training (40 calls: the first call's host time, before the GPU has work, counts once
 per loop; at 10 calls it added 15-30 us to each call of tdist's pipelined ways, 150-300 us of
 host time per call on the device's host, against 3-10 us to NCCL + matmul's); ``--rounds``
 rounds time every variant in turn (one loop each), so that a slow moment of the machine hits
@@ -21,14 +26,16 @@ per call in the same loops (where it reaches the GPU time, the call is host-boun
 """
 
 import argparse
+import math
 import os
 import statistics
+import time
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import in_turn, start_job, time_loop, write_result  # noqa: E402
+from timing import in_turn, slowest, start_job, time_loop, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -77,6 +84,12 @@ def _calls(op, a, b, world, tdist_group, fused_group, pipelined_group, symm_grou
                 a, b, "sum", scatter_dim=0, group_name=symm_group_name)}
 
 
+def _preheated_loop(fn, preheat: int, iters: int, cpu_group) -> tuple[float, float]:
+    for _ in range(preheat):
+        fn()
+    return time_loop(fn, iters, cpu_group, reps=1)
+
+
 def _relative_error(got, want) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
@@ -88,6 +101,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--preheat-ms", type=float, default=300.0)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
 
@@ -131,7 +145,14 @@ def main():
                 try:
                     for _ in range(args.warmup):
                         fn()
-                    timers[name] = lambda fn=fn: time_loop(fn, args.iters, cpu_group, reps=1)
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    seconds = slowest((time.perf_counter() - started) / 3, cpu_group)
+                    preheat = math.ceil(args.preheat_ms / 1e3 / seconds)  # (the same on every rank)
+                    timers[name] = lambda fn=fn, preheat=preheat: _preheated_loop(fn, preheat, args.iters, cpu_group)
                 except Exception as err:  # noqa: BLE001 - symm_mem may be missing on this build
                     row[f"{name}_us"] = None
                     row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:200]
@@ -155,6 +176,7 @@ def main():
         write_result(args.out, "overlap", world,
                      f"bf16, slowest rank, tdist's ways chosen by TDIST_OVERLAP=tune; "
                      f"{args.iters} calls back to back per timed loop (CUDA events), {args.warmup} warm-ups, "
+                     f"each loop right after {args.preheat_ms:g} ms of the same variant's calls, "
                      f"median of {args.rounds} rounds, each timing every variant in turn; relative_error (by_shard: per rank's rows): "
                      f"tdist's fused kernels, pipelined_relative_error: the pipelined way, against the sequential path", rows, heap_size=os.environ.get("TDIST_HEAP_SIZE"))
     dist.destroy_process_group()

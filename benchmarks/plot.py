@@ -11,6 +11,7 @@ per op (bars above 1.0: tdist is faster).
 import json
 import os
 import sys
+import textwrap
 from collections import defaultdict
 
 import matplotlib
@@ -50,7 +51,8 @@ def main(path):
         draw(ax, op, rows)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.suptitle(f"{result['machine']}: {result.get('method', '')}", fontsize=8)
+    title = textwrap.fill(f"{result['machine']}: {result.get('method', '')}", width=13 * width * len(by_op))  # (about 13 characters an inch at 8 points)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     out = path.rsplit(".", 1)[0] + ".png"
     fig.savefig(out, dpi=110)
