@@ -54,13 +54,19 @@ void Watchdog::run() {
   std::vector<c10::intrusive_ptr<TDistWork>> finished;
   while (!stop_) {
     wake_.wait_for(lock, kPoll);
+    // The queries go without the lock: watch(), on every call's path, must
+    // not wait for a scan of thousands of works (measured: up to 4 us a call).
+    std::list<Watched> scanned;
+    scanned.swap(watched_);
+    scanning_ = true;
+    lock.unlock();
     auto now = std::chrono::steady_clock::now();
     const char* overran = nullptr; // the op of a work past its deadline
     std::chrono::milliseconds timeout{};
-    for (auto it = watched_.begin(); it != watched_.end();) {
+    for (auto it = scanned.begin(); it != scanned.end();) {
       if (it->work->finishedOnDevice()) {
         finished.push_back(std::move(it->work));
-        it = watched_.erase(it);
+        it = scanned.erase(it);
       } else if (now > it->deadline) {
         overran = it->op;
         timeout = it->timeout;
@@ -69,10 +75,14 @@ void Watchdog::run() {
         ++it;
       }
     }
+    lock.lock();
+    watched_.splice(watched_.begin(), scanned); // (older than those watched since)
+    scanning_ = false;
+    scanned_.notify_all();
     if (!finished.empty()) {
       // Their tensors may be the last references to Python tensors, whose
       // freeing takes the GIL: never while holding the lock, which a thread
-      // holding the GIL may be waiting for in watch().
+      // holding the GIL may be waiting for in watch() or failAll().
       lock.unlock();
       finished.clear();
       lock.lock();
@@ -89,7 +99,8 @@ void Watchdog::run() {
 bool Watchdog::failAll(const std::function<std::string()>& abortGroup) {
   std::list<Watched> watched;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    scanned_.wait(lock, [this] { return !scanning_; }); // (the works a scan holds)
     if (failed_) {
       return false;
     }

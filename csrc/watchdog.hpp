@@ -63,6 +63,8 @@ class Watchdog {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::list<Watched> watched_;
+  bool scanning_ = false; // run() holds the works, without the lock
+  std::condition_variable scanned_;
   bool stop_ = false;
   bool failed_ = false; // failAll() ran
   std::string failure_; // the error failAll() failed the works with, once known
