@@ -7,6 +7,9 @@ With --series S, each variant instead runs for S seconds after an idle half seco
 blocks of about 30 ms: how long until its time per call settles, and where.
 
     torchrun --nproc-per-node 4 benchmarks/order_probe.py --out $OUT [--series 2]
+
+ORDER_POWER_FIELD names nvidia-smi's power field (power.draw, a one-second average on these GPUs,
+by default; results/order_probe_clocks_*-series.csv has power.draw.instant).
 """
 import argparse
 import json
