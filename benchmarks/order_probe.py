@@ -125,7 +125,11 @@ def main():
     if rank == 0:
         path = os.path.join(args.out, f"order_probe_{machine(world)}{'-series' if args.series else ''}.json")
         with open(path, "w") as f:
-            json.dump({"machine": machine(world), "versions": versions(), "rows": rows}, f, indent=1)
+            method = (f"each variant run {args.series:g} s after an idle half second, timed in blocks of about 30 ms"
+                      if args.series else
+                      f"each variant's 40-call loop after each predecessor, in blocks of 10 calls, {args.reps} reps")
+            json.dump({"machine": machine(world), "versions": versions(), "method": f"bf16, slowest rank; {method}",
+                       "rows": rows}, f, indent=1)
         print("wrote", path)
     dist.destroy_process_group()
 

@@ -2,10 +2,12 @@
 
     python benchmarks/plot.py benchmarks/results/collectives_<machine>.json   # bus bandwidth
     python benchmarks/plot.py benchmarks/results/overlap_<machine>.json       # speedup bars
+    python benchmarks/plot.py benchmarks/results/order_probe_<machine>-series.json  # time per call
 
 collectives: bus bandwidth against message size, tdist and NCCL, one panel per op. overlap:
 tdist's speedup over the sequential path and over torch's symm_mem fused op, per shape, one panel
-per op (bars above 1.0: tdist is faster).
+per op (bars above 1.0: tdist is faster). order_probe --series: each variant's time per call
+through a sustained run, one panel per op and shape (where the power limit lowers the clock).
 """
 
 import json
@@ -40,12 +42,28 @@ def _speedups(ax, op, rows):
     ax.set_title(f"{op} (tdist speedup)")
 
 
+def _series(ax, panel, rows):
+    for r in rows:
+        block_ms = [us * r["block_calls"] / 1e3 for us in r["series_us"]]
+        ends = [sum(block_ms[:i + 1]) for i in range(len(block_ms))]
+        ax.plot(ends, r["series_us"], label=r["variant"])
+    ax.set_title(panel)
+    ax.set_xlabel("ms since the run started (after an idle half second)")
+    ax.set_ylabel("us per call")
+
+
 def main(path):
     result = json.load(open(path))
-    draw, width = (_speedups, 7) if os.path.basename(path).startswith("overlap") else (_bandwidth, 4)
+    rows = result["rows"]
+    if os.path.basename(path).startswith("overlap"):
+        draw, width, panel = _speedups, 7, lambda r: r["op"]
+    elif rows and "series_us" in rows[0]:
+        draw, width, panel = _series, 5, lambda r: f"{r['op']} {r['shape']}"
+    else:
+        draw, width, panel = _bandwidth, 4, lambda r: r["op"]
     by_op = defaultdict(list)
-    for row in result["rows"]:
-        by_op[row["op"]].append(row)
+    for row in rows:
+        by_op[panel(row)].append(row)
     fig, axes = plt.subplots(1, len(by_op), figsize=(width * len(by_op), 4), squeeze=False)
     for ax, (op, rows) in zip(axes[0], by_op.items()):
         draw(ax, op, rows)
