@@ -4,25 +4,29 @@
 
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
-each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune;
-``path`` is what its tuning chose: "sequential", "pipelined <chunks>" or "fused <config>", from
-the times per call in ``tuning_us``), tdist's fused kernels with
-the first tile config (``fused_us``), the pipelined way with its default chunks
-(``pipelined_us``), the sequential path (NCCL collective, then torch.matmul, or the reverse),
-``torch.ops.symm_mem``'s fused op, the matmul alone and the collective alone. Each is
-timed with CUDA events around ``--iters`` calls back to back (the slowest rank's), after
-``--warmup`` calls, and each timed loop right after ``--preheat-ms`` of the same variant's calls:
-these H200s hold their 700 W power limit by lowering the SM clock (1980 MHz idle, about 1450 MHz
-after some 150 ms of a large matmul), so a short loop's time follows whatever ran before it
-(benchmarks/order_probe.py: 1412 to 1791 us for one ag_gemm shape by its predecessor; a variant
-after a light one ran at the higher clock); pre-heated, every variant is timed in its own
-sustained state, as in training (40 calls: the first call's host time, before the GPU has work, counts once
-per loop; at 10 calls it added 15-30 us to each call of tdist's pipelined ways, 150-300 us of
-host time per call on the device's host, against 3-10 us to NCCL + matmul's); ``--rounds``
-rounds time every variant in turn (one loop each), so that a slow moment of the machine hits
-all of them; ``<name>_us`` is the median round, ``<name>_rounds_us`` every round's (their spread is the noise), ``<name>_host_us`` the host time
-per call in the same loops (where it reaches the GPU time, the call is host-bound). Rank 0 writes
-``overlap_<machine>.json``; ``python benchmarks/plot.py <json>`` draws the speedups.
+each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune; ``path`` is what its
+tuning chose: "sequential", "pipelined <chunks>" or "fused <config>", from the times per call in
+``tuning_us``), tdist's fused kernels with the first tile config (``fused_us``), the pipelined way
+with its default chunks (``pipelined_us``), the sequential path (NCCL collective, then
+torch.matmul, or the reverse), ``torch.ops.symm_mem``'s fused op, the matmul alone and the
+collective alone.
+
+Timing. Each variant is timed with CUDA events around ``--iters`` calls back to back (the slowest
+rank's), after ``--warmup`` calls. 40 calls, because the first call's host time (before the GPU
+has work) counts once per loop: at 10 calls it added 15-30 us to each call of tdist's pipelined
+ways (150-300 us of host time a call on the device's host, against 3-10 us for NCCL + matmul).
+
+Each timed loop comes right after ``--preheat-ms`` of the same variant's calls. These H200s hold
+their 700 W power limit by lowering the SM clock (1980 MHz idle, about 1450 MHz after some 150 ms
+of a large matmul), so a short loop's time follows whatever ran before it: 1412 to 1791 us for
+one ag_gemm shape by its predecessor (benchmarks/order_probe.py). Pre-heated, every variant is
+timed in its own sustained state, as in training.
+
+``--rounds`` rounds time every variant in turn (one loop each), so that a slow moment of the
+machine hits all of them. ``<name>_us`` is the median round, ``<name>_rounds_us`` every round's
+(their spread is the noise), ``<name>_host_us`` the host time per call in the same loops (where it
+reaches the GPU time, the call is host-bound). Rank 0 writes ``overlap_<machine>.json``;
+``python benchmarks/plot.py <json>`` draws the speedups.
 """
 
 import argparse
