@@ -287,18 +287,27 @@ def compile_nvshmem_kernels(target, arch: int) -> str:
     return f"{count} NVSHMEM kernels compiled against {os.path.basename(library)}"
 
 
+def _compile(target, kernel, signature, constexprs, *options) -> None:
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
+                              options=options[0] if options else None)
+    assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
+
+
 def _compile_share(arch: int, share: int, shares: int) -> int:
     """Compiles every ``shares``-th specialisation from the ``share``-th; returns how many."""
     target = GPUTarget("cuda", arch, 32)
     count = 0
-    for i, (kernel, signature, constexprs, *options) in enumerate(specialisations()):
-        if i % shares != share:
-            continue
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
-                                  options=options[0] if options else None)
-        assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
-        count += 1
+    for i, specialisation in enumerate(specialisations()):
+        if i % shares == share:
+            _compile(target, *specialisation)
+            count += 1
     return count
+
+
+def compile_first(name: str, arch: int = 90) -> None:
+    """Compiles the first specialisation of the kernel called ``name``: a quick check of one
+    configuration of the language (e.g. TDIST_DEPENDENT_LAUNCH=0)."""
+    _compile(GPUTarget("cuda", arch, 32), *next(s for s in specialisations() if s[0].__name__ == name))
 
 
 def main(arch: int = 90) -> int:

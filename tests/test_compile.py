@@ -16,3 +16,18 @@ def test_kernels_compile_for_sm90():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_kernels_compile_without_dependent_launch():
+    """Where kernels are not launched with programmatic dependent launch (TDIST_DEPENDENT_LAUNCH=0,
+    AMD GPUs), wait_prior_kernels and start_next_kernel are no-ops that must compile too (they
+    were plain Python functions, which a compiled kernel may not call). The one-shot kernel calls
+    both."""
+    env = dict(os.environ, TDIST_INTERPRET="0", TDIST_DEPENDENT_LAUNCH="0", TRITON_DEFAULT_FP_FUSION="1")
+    code = ("from torch_tdist import language; assert not language.DEPENDENT_LAUNCH; "
+            "from tests.compile_kernels import compile_first; compile_first('oneshot_kernel'); print('compiled')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled" in proc.stdout

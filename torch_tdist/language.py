@@ -470,15 +470,21 @@ else:
 
 
 if not DEPENDENT_LAUNCH:
+    # (jit functions, empty: a compiled kernel may call only those; TDIST_DEPENDENT_LAUNCH=0
+    # on NVIDIA GPUs compiles this branch)
+    @jit
     def wait_prior_kernels():
         """Programmatic dependent launch: this kernel waits here until the kernel before it on
         the stream has finished and its memory is visible. Nothing before this call may read
         what earlier kernels write (the ctx tensor is safe). A no-op where kernels run one after
-        another anyway (the interpreter, AMD GPUs)."""
+        another anyway (the interpreter, AMD GPUs, TDIST_DEPENDENT_LAUNCH=0)."""
+        pass
 
+    @jit
     def start_next_kernel():
         """Lets the next kernel on the stream (if it was launched for it, ``launch_pdl=True``)
         be scheduled now, to reach its :func:`wait_prior_kernels` while this one runs."""
+        pass
 
 else:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
