@@ -1,4 +1,5 @@
-"""Every kernel compiles for Hopper (sm_90) on this GPU-less machine, as on the device."""
+"""Every kernel compiles for Hopper (sm_90) on this GPU-less machine, as on the device, and for AMD's
+MI300 (gfx942), where no GPU of ours runs them."""
 
 import os
 import subprocess
@@ -31,3 +32,12 @@ def test_kernels_compile_without_dependent_launch():
                           timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout
+
+
+@pytest.mark.timeout(660)  # a cold Triton cache: 3-4 minutes on 2 cores
+def test_kernels_compile_for_amd_mi300():
+    env = dict(os.environ, TDIST_INTERPRET="0", TDIST_DEPENDENT_LAUNCH="0", TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "gfx942"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "compiled" in proc.stdout and "for gfx942" in proc.stdout
