@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import torch_tdist
+import torch_tdist  # noqa: F401  (registers the "tdist" backend)
 from overlap import _calls, _operands
 from timing import machine, start_job, versions
 
@@ -64,11 +64,11 @@ def main():
     smi = None
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        smi = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu=timestamp,index,clocks.sm,{POWER},temperature.gpu",
-             "--format=csv,noheader", "-lms", "50"],
-            stdout=open(os.path.join(args.out, f"order_probe_clocks_{machine(world)}{'-series' if args.series else ''}.csv"), "w"),
-            stderr=subprocess.STDOUT)
+        clocks = os.path.join(args.out, f"order_probe_clocks_{machine(world)}{'-series' if args.series else ''}.csv")
+        with open(clocks, "w") as log:  # (nvidia-smi keeps its own copy of the file)
+            smi = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu=timestamp,index,clocks.sm,{POWER},temperature.gpu",
+                 "--format=csv,noheader", "-lms", "50"], stdout=log, stderr=subprocess.STDOUT)
     gen = torch.Generator(device).manual_seed(99 + rank)
     rows = []
     for item in args.shapes.split(","):
