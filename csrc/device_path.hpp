@@ -36,6 +36,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   // An event recorded on `stream` now; back in the pool when its last holder
   // drops it (the pool must be owned by a shared_ptr).
   std::shared_ptr<c10::Event> record(const c10::Stream& stream);
+  // Records `event` on `stream` now (what c10::Event::record does, cheaper).
+  static void recordOn(c10::Event& event, const c10::Stream& stream);
 
  private:
   std::mutex mutex_;
