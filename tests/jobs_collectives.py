@@ -527,6 +527,29 @@ def async_ops(rank, ws, dtype, seed, mode="wait", ops=None):
     chk.done()
 
 
+def profiled_calls(rank, ws, seed):
+    """Calls under torch.profiler show as ``tdist:<op>`` ranges and stay right; the calls
+    before and after it, with no profiler on, open none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    chk = Checker(rank, "profiled_calls")
+    ins = _all_inputs(seed, ws, (37,), "float32", 0, "sum")
+    t = ins[rank].clone()
+    dist.all_reduce(t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(t)
+        out = poison((ws * 37,), dt("float32"))
+        dist.all_gather_into_tensor(out, ins[rank])
+    chk.close(t, ref_reduce(ins, "SUM") * ws, "all_reduce twice, the second under the profiler")
+    chk.equal(out, torch.cat(ins), "all_gather_into_tensor under the profiler")
+    names = [e.name for e in prof.events()]
+    for title in ("tdist:all_reduce", "tdist:all_gather_into_tensor"):
+        chk.true(names.count(title) == 1, title, f"{names.count(title)} profiler ranges, expected 1")
+    dist.all_reduce(t)
+    chk.close(t, ref_reduce(ins, "SUM") * ws * ws, "all_reduce after the profiler")
+    chk.done()
+
+
 def back_to_back(rank, ws, seed, iters=24):
     """Many small collectives in a row with changing sizes, dtypes and roots:
     catches stale signals/epochs and workspace reuse bugs."""

@@ -160,6 +160,12 @@ def test_async_reduce_scatter_get_future(pool, seed):
     pool.run(J.async_ops, "float32", seed, "future", ["reduce_scatter_tensor"])
 
 
+@pytest.mark.tdist_only
+@ws_param([2])
+def test_profiler_sees_calls(pool, seed):
+    pool.run(J.profiled_calls, seed)
+
+
 @ws_param()
 def test_back_to_back(pool, seed):
     pool.run(J.back_to_back, seed)
