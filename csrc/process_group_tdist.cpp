@@ -429,10 +429,12 @@ TDistWork::TDistWork(
     c10d::OpType type,
     const char* profilingTitle,
     const std::vector<at::Tensor>& inputs,
-    std::vector<at::Tensor> outputs)
+    std::vector<at::Tensor> outputs,
+    bool asyncOp)
     : Work(rank, type, profilingTitle, inputs),
       inputs_(inputs),
-      outputs_(std::move(outputs)) {}
+      outputs_(std::move(outputs)),
+      asyncOp_(asyncOp) {}
 
 void TDistWork::startOnStream(
     c10::Stream stream,
@@ -787,7 +789,12 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
     return;
   }
   auto work = c10::make_intrusive<TDistWork>(
-      rank_, OpType::UNKNOWN, nullptr, std::vector<at::Tensor>{}, std::vector<at::Tensor>{});
+      rank_,
+      OpType::UNKNOWN,
+      nullptr,
+      std::vector<at::Tensor>{},
+      std::vector<at::Tensor>{},
+      /*asyncOp=*/false);
   work->startOnStream(stream, events_, false, 0);
   work->markDone(); // (its end recorded on `stream`)
   watch(work, name);
@@ -1167,7 +1174,12 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     std::optional<c10::Device> device) {
   checkNotAborted(opName(op));
   auto work = c10::make_intrusive<TDistWork>(
-      rank_, type, kProfilingTitles[static_cast<int>(op)], inputs, outputs);
+      rank_,
+      type,
+      kProfilingTitles[static_cast<int>(op)],
+      inputs,
+      outputs,
+      asyncOp);
   if (!device) {
     for (const auto* list : {&outputs, &inputs}) {
       if (!list->empty()) {
@@ -1209,6 +1221,13 @@ WorkPtr ProcessGroupTDist::finishWork(
   if (work->watchable()) {
     lastEager_ = {work->stream(), work->end(), 0};
     watch(work, opName(op));
+  }
+  // As NCCL's since torch 2.8: a call the caller waits for at once returns no
+  // Work, and torch.distributed skips its wait() (a call from Python that
+  // would only check the stream: the call ran on the caller's). A barrier's
+  // wait() holds the host, so it keeps its Work.
+  if (!work->asyncOp() && op != Op::Barrier) {
+    return nullptr;
   }
   return work;
 }

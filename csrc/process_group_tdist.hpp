@@ -68,7 +68,8 @@ class TDistWork : public c10d::Work {
       c10d::OpType type,
       const char* profilingTitle,
       const std::vector<at::Tensor>& inputs,
-      std::vector<at::Tensor> outputs);
+      std::vector<at::Tensor> outputs,
+      bool asyncOp);
 
   // `capture`: the id of the CUDA graph capture the caller's stream is in (0:
   // none).
@@ -94,6 +95,11 @@ class TDistWork : public c10d::Work {
   void fail(const std::string& reason);
   // Whether the call went onto a GPU stream outside a CUDA graph capture.
   bool watchable() const;
+  // Whether the caller asked for the work (async_op=True) rather than waiting
+  // at once.
+  bool asyncOp() const {
+    return asyncOp_;
+  }
   uint64_t capture() const {
     return capture_;
   }
@@ -122,6 +128,7 @@ class TDistWork : public c10d::Work {
   std::optional<StreamScope> scope_; // while the call is being issued
   std::optional<c10::Stream> stream_; // the stream the call ran on
   std::shared_ptr<c10::Event> end_;
+  bool asyncOp_;
   bool blockHost_ = false;
   uint64_t capture_ = 0;
   std::string failure_; // set by the watchdog

@@ -550,6 +550,33 @@ def profiled_calls(rank, ws, seed):
     chk.done()
 
 
+def sync_calls_return_no_work(rank, ws, seed):
+    """As NCCL's since torch 2.8: a call with asyncOp False returns no Work (torch.distributed
+    then skips wait()), its result in place; with asyncOp True, a Work; a barrier keeps its Work
+    either way (its wait() holds the host)."""
+    from torch._C._distributed_c10d import AllreduceOptions, BarrierOptions
+
+    chk = Checker(rank, "sync_calls_return_no_work")
+    pg = dist.group.WORLD
+    ins = _all_inputs(seed, ws, (41,), "float32", 0, "sum")
+    for async_op in (False, True):
+        t = ins[rank].clone()
+        opts = AllreduceOptions()
+        opts.asyncOp = async_op
+        work = pg.allreduce([t], opts)
+        chk.true((work is not None) == async_op, f"allreduce asyncOp={async_op}", f"returned {work!r}")
+        if work is not None:
+            work.wait()
+        chk.close(t, ref_reduce(ins, "SUM"), f"allreduce asyncOp={async_op}")
+    opts = BarrierOptions()
+    opts.asyncOp = False
+    work = pg.barrier(opts)
+    chk.true(work is not None, "barrier asyncOp=False", "returned no Work")
+    if work is not None:
+        work.wait()
+    chk.done()
+
+
 def back_to_back(rank, ws, seed, iters=24):
     """Many small collectives in a row with changing sizes, dtypes and roots:
     catches stale signals/epochs and workspace reuse bugs."""

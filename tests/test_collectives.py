@@ -162,6 +162,12 @@ def test_async_reduce_scatter_get_future(pool, seed):
 
 @pytest.mark.tdist_only
 @ws_param([2])
+def test_sync_calls_return_no_work(pool, seed):
+    pool.run(J.sync_calls_return_no_work, seed)
+
+
+@pytest.mark.tdist_only
+@ws_param([2])
 def test_profiler_sees_calls(pool, seed):
     pool.run(J.profiled_calls, seed)
 
