@@ -527,6 +527,43 @@ def async_ops(rank, ws, dtype, seed, mode="wait", ops=None):
     chk.done()
 
 
+def coalescing_manager_calls(rank, ws, seed):
+    """torch's ``_coalescing_manager`` (how FSDP batches its collectives) reaches the backend's
+    ``*_coalesced`` calls: synchronous ones (no Work back) and asynchronous ones (``cm.wait()``)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    chk = Checker(rank, "coalescing_manager_calls")
+    for async_ops in (False, True):
+        case = f"async_ops={async_ops}"
+        parts = [_all_inputs(seed, ws, (ws * (3 + k),), "float32", 20 + k + 10 * async_ops, "sum")
+                 for k in range(3)]
+        gathered = [poison((ws * ws * (3 + k),), dt("float32")) for k in range(3)]
+        with _coalescing_manager(async_ops=async_ops) as cm:
+            for k in range(3):
+                dist.all_gather_into_tensor(gathered[k], parts[k][rank])
+        if async_ops:
+            cm.wait()
+        scattered = [poison((3 + k,), dt("float32")) for k in range(3)]
+        with _coalescing_manager(async_ops=async_ops) as cm:
+            for k in range(3):
+                dist.reduce_scatter_tensor(scattered[k], parts[k][rank])
+        if async_ops:
+            cm.wait()
+        reduced = [parts[k][rank].clone() for k in range(3)]
+        with _coalescing_manager(async_ops=async_ops) as cm:
+            for k in range(3):
+                dist.all_reduce(reduced[k])
+        if async_ops:
+            cm.wait()
+        for k in range(3):
+            n = 3 + k
+            chk.equal(gathered[k], torch.cat(parts[k]), f"{case}: all_gather_into_tensor [{k}]")
+            total = ref_reduce(parts[k], "SUM")
+            chk.close(scattered[k], total[rank * n:(rank + 1) * n], f"{case}: reduce_scatter_tensor [{k}]")
+            chk.close(reduced[k], total, f"{case}: all_reduce [{k}]")
+    chk.done()
+
+
 def profiled_calls(rank, ws, seed):
     """Calls under torch.profiler show as ``tdist:<op>`` ranges and stay right; the calls
     before and after it, with no profiler on, open none."""

@@ -160,6 +160,11 @@ def test_async_reduce_scatter_get_future(pool, seed):
     pool.run(J.async_ops, "float32", seed, "future", ["reduce_scatter_tensor"])
 
 
+@ws_param([2, 3])
+def test_coalescing_manager(pool, seed):
+    pool.run(J.coalescing_manager_calls, seed)
+
+
 @pytest.mark.tdist_only
 @ws_param([2])
 def test_sync_calls_return_no_work(pool, seed):
