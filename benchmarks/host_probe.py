@@ -7,6 +7,7 @@ its GPU time, the op is host-bound.
 
 (benchmarks/results/timeline_gemm_rs_NVIDIA_H200-x4.log has a run's figures.)
 """
+import statistics
 import time
 
 import torch
@@ -28,20 +29,33 @@ def per_call(fn, n: int) -> float:
     return round(us, 1)
 
 
-def all_reduce_layers(group, device) -> dict:
-    """A 4 KB all_reduce's host time: through torch.distributed's Python function, through the
-    process group's C++ dispatch (no Python checks), and the backend's own call, for tdist and
-    NCCL; a one-kernel torch op for scale."""
+def all_reduce_layers(group, device, rounds: int = 7, calls: int = 400) -> dict:
+    """A synchronous 4 KB all_reduce's host time: through torch.distributed's Python function,
+    through the process group's C++ dispatch (no Python checks), and the backend's own call, for
+    tdist and NCCL; a one-kernel torch op for scale. Every layer is timed in each of ``rounds``
+    rounds, the layers in turn (a slow moment of the host, or the first loop, counts against each
+    alike); the median round."""
     x = torch.randn(1024, device=device)
-    nccl = dist.distributed_c10d._get_default_group()
-    rows = {}
-    for name, pg in (("tdist", group), ("nccl", nccl)):
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False  # (what dist.all_reduce passes: the call runs on the caller's stream)
+
+    def synchronous(call):
+        work = call()  # (no Work for a synchronous call from tdist, nor from NCCL since torch 2.8)
+        if work is not None:
+            work.wait()
+
+    layers = {}
+    for name, pg in (("tdist", group), ("nccl", dist.distributed_c10d._get_default_group())):
         backend = pg._get_backend(device)
-        rows[f"{name}: dist.all_reduce"] = per_call(lambda: dist.all_reduce(x, group=pg), 2000)
-        rows[f"{name}: group.allreduce(...).wait()"] = per_call(lambda: pg.allreduce([x]).wait(), 2000)
-        rows[f"{name}: backend.allreduce(...).wait()"] = per_call(lambda: backend.allreduce([x]).wait(), 2000)
-    rows["x.add_(1)"] = per_call(lambda: x.add_(1), 2000)
-    return rows
+        layers[f"{name}: dist.all_reduce"] = lambda pg=pg: dist.all_reduce(x, group=pg)
+        layers[f"{name}: group.allreduce"] = lambda pg=pg: synchronous(lambda: pg.allreduce([x], opts))
+        layers[f"{name}: backend.allreduce"] = lambda b=backend: synchronous(lambda: b.allreduce([x], opts))
+    layers["x.add_(1)"] = lambda: x.add_(1)
+    times = {name: [] for name in layers}
+    for _ in range(rounds):
+        for name, fn in layers.items():
+            times[name].append(per_call(fn, calls))
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
 
 
 def main():
