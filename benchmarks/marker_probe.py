@@ -11,7 +11,7 @@ import time
 
 import torch
 
-import torch_tdist  # noqa: F401  (sets the NVLink-multicast safety variables)
+from torch_tdist.launch import SAFE_ENV  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
 
 CALLS, ROUNDS = 20000, 7
 

@@ -8,12 +8,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILE_ENV = dict(os.environ, TDIST_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+WITHOUT_PDL_ENV = dict(COMPILE_ENV, TDIST_DEPENDENT_LAUNCH="0")  # (AMD GPUs have none)
 
 
 @pytest.mark.timeout(660)  # a cold Triton cache: 4-5 minutes on 2 cores
 def test_kernels_compile_for_sm90():
-    env = dict(os.environ, TDIST_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "90"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "90"], cwd=ROOT, env=COMPILE_ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout
@@ -25,10 +26,9 @@ def test_kernels_compile_without_dependent_launch():
     AMD GPUs), wait_prior_kernels and start_next_kernel are no-ops that must compile too (they
     were plain Python functions, which a compiled kernel may not call). The one-shot kernel calls
     both."""
-    env = dict(os.environ, TDIST_INTERPRET="0", TDIST_DEPENDENT_LAUNCH="0", TRITON_DEFAULT_FP_FUSION="1")
     code = ("from torch_tdist import language; assert not language.DEPENDENT_LAUNCH; "
             "from tests.compile_kernels import compile_first; compile_first('oneshot_kernel'); print('compiled')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=WITHOUT_PDL_ENV, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout
@@ -36,8 +36,7 @@ def test_kernels_compile_without_dependent_launch():
 
 @pytest.mark.timeout(660)  # a cold Triton cache: 3-4 minutes on 2 cores
 def test_kernels_compile_for_amd_mi300():
-    env = dict(os.environ, TDIST_INTERPRET="0", TDIST_DEPENDENT_LAUNCH="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "gfx942"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "gfx942"], cwd=ROOT, env=WITHOUT_PDL_ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout and "for gfx942" in proc.stdout
