@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, sentinel, staged, streamed  # noqa: E402
+from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, sentinel, staged, streamed, twoshot  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -88,6 +88,18 @@ def _streamed_specialisations():
                 "LANES": 1 << (world - 1).bit_length()}
 
 
+def _twoshot_specialisations():
+    """The two-shot all_reduce: bf16 sum and fp32 avg on 4 ranks, bf16 on 2 and 3 (a masked lane)."""
+    for world in (2, 3, 4):
+        for dt, op in _all_or_last((("fp32", "avg"), ("bf16", "sum")), world == 4):
+            types = {**ONESHOT_SIGNATURE, "part": "i64", "gathered": "*i64"}
+            signature = {k: types[k].format(dt=dt) for k in twoshot.twoshot_all_reduce_kernel.arg_names}
+            lanes = 1 << (world - 1).bit_length()
+            yield twoshot.twoshot_all_reduce_kernel, signature, {
+                "WORLD": world, "BLOCK": ONESHOT_TILE_BYTES // ITEMSIZE[dt] // lanes, "ALIGN": 16 // ITEMSIZE[dt],
+                "OP": op, "ACC": ACC[dt], "MAXP": 132, "LANES": lanes}
+
+
 def _lowlatency_specialisations():
     """The low-latency kernel in each mode it serves (words of int32; reductions of bf16, two to a
     word, and fp32 and int32, one) on 4 ranks; on 2, the words and a bf16 reduction; on 3 (a
@@ -124,6 +136,7 @@ def _sentinel_specialisations():
 def specialisations():
     yield from _oneshot_specialisations()
     yield from _streamed_specialisations()
+    yield from _twoshot_specialisations()
     yield from _lowlatency_specialisations()
     yield from _sentinel_specialisations()
     # (ME changes only arithmetic: one rank per world size; 2 ranks: bf16, aligned, with pushers)

@@ -584,7 +584,7 @@ def streamed_path(tg, rank, world, device, gen):
     with a 64 MB heap (2 MB mailbox slots on 4 ranks, so the larger messages take several rounds
     of many steps): all_gather, reduce_scatter and all_reduce (in place) with odd element
     counts, also with blocks from 2 KB (TDIST_STREAMED_MIN_BLOCK_BYTES), then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
-    the default group at 4 MB (all_gather and all_reduce streamed there, reduce_scatter one-shot)."""
+    the default group at 4 MB (all_gather streamed there, all_reduce two-shot, reduce_scatter one-shot)."""
     sg = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M"})
     _large_calls(sg, "streamed", (1001, "3M", (5 << 20) + 3), world, device, gen)
     small_blocks = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M",
@@ -594,6 +594,32 @@ def streamed_path(tg, rank, world, device, gen):
     _progress(rank, "streamed_path: calls done")
     n = (1 << 18) + 3
     _graph_replays(sg, "streamed ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
+
+
+def twoshot_path(tg, rank, world, device, gen):
+    """The two-shot all_reduce (triton_kernels/twoshot.py) on a group that takes it at every size,
+    with a 64 MB heap (1 MB a share on 4 ranks, so the largest call takes two rounds): fp32 and
+    bf16 (sum, avg, max) with odd element counts, back to back with all_gather and reduce_scatter
+    (one-shot there), then 20 CUDA-graph replays of a 1 MB fp32 all_reduce."""
+    from torch_tdist import collectives
+
+    wg = _tdist_group({"TDIST_ALGORITHM": "twoshot", "TDIST_HEAP_SIZE": "64M"})
+    served = []
+    original = collectives.Executor._twoshot
+
+    def counted(self, *args, **kwargs):
+        served.append(args[0])
+        return original(self, *args, **kwargs)
+    collectives.Executor._twoshot = counted
+    try:
+        _large_calls(wg, "twoshot", (3, 1001, "3M", (1 << 20) + 3), world, device, gen)
+    finally:
+        collectives.Executor._twoshot = original
+    global _checked
+    _checked += 1
+    if len(served) < 2 * 4 * 3:  # 2 dtypes x 4 sizes x 3 reduce ops, the 4 MB ones in two rounds
+        _failures.append(f"twoshot: the kernel served {len(served)} launches, not every all_reduce")
+    _graph_replays(wg, "twoshot ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
 def lowlatency_path(tg, rank, world, device, gen):
@@ -1025,7 +1051,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
+          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 # Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).

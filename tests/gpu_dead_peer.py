@@ -38,7 +38,7 @@ from torch_tdist.backend import _tdist_backend  # noqa: E402
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
 # name: (op, elements per rank (rows of A per rank for the overlapped ops), its group's environment).
-# The small ones run the one-shot kernels; 16 MB of all_reduce the streamed kernel ("streamed"
+# The small ones run the one-shot kernels; 4 MB of all_reduce the two-shot kernel, 16 MB the streamed kernel ("streamed"
 # forces it on reduce_scatter); "bulk" forces the bulk path: all_gather's pulls (whose barriers
 # wait in a kernel) and the other ops' pushes. The overlapped ops (torch_tdist.ops) queue their
 # kernels with no c10d Work: the group's watchdog watches them all the same.
@@ -49,6 +49,7 @@ CASES = {
     "all_to_all": ("all_to_all", 4096, {}),
     "barrier": ("barrier", 0, {}),  # (waits on the host, in work.wait(), while the watchdog aborts)
     "all_gather 64 MB, bulk": ("all_gather", 16 << 20, {"TDIST_ALGORITHM": "bulk"}),
+    "all_reduce 4 MB, two-shot": ("all_reduce", 1 << 18, {}),
     "all_reduce 16 MB": ("all_reduce", 1 << 20, {}),
     "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "streamed"}),
     "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "bulk"}),

@@ -57,7 +57,8 @@ def large_messages(rank, ws, n, dtype_name, seed):
     """all_gather (both forms), reduce_scatter (both forms), all_reduce (in place) and an even
     all_to_all_single on the path the pool's TDIST_ALGORITHM forces, with several reduce ops, in
     several rounds, one-shot broadcasts in between; outputs poisoned first. With
-    TDIST_ALGORITHM=streamed or lowlatency, checks that that kernel served them."""
+    TDIST_ALGORITHM=streamed, lowlatency or twoshot, checks that that kernel served them (twoshot:
+    the all_reduces)."""
     import os
 
     import torch_tdist
@@ -66,8 +67,8 @@ def large_messages(rank, ws, n, dtype_name, seed):
     before = torch_tdist.stats()
     executor = torch_tdist.get_executor()
     algorithm = os.environ.get("TDIST_ALGORITHM")
-    served = []  # the ops the forced kernel (streamed or low-latency) served
-    if algorithm in ("streamed", "lowlatency"):
+    served = []  # the ops the forced kernel (streamed, low-latency or two-shot) served
+    if algorithm in ("streamed", "lowlatency", "twoshot"):
         launch = getattr(executor, f"_{algorithm}")
         setattr(executor, f"_{algorithm}", lambda op, *args, **kwargs: (served.append(op), launch(op, *args, **kwargs)))
     xs = _inputs(seed, ws, n, dtype)
@@ -110,10 +111,11 @@ def large_messages(rank, ws, n, dtype_name, seed):
     after = torch_tdist.stats()
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
-    if algorithm in ("streamed", "lowlatency"):
+    if algorithm in ("streamed", "lowlatency", "twoshot"):
         setattr(executor, f"_{algorithm}", launch)
-        missing = {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
-                   "all_reduce", "all_to_all_single"} - set(served)
+        missing = ({"all_reduce"} if algorithm == "twoshot" else
+                   {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
+                    "all_reduce", "all_to_all_single"}) - set(served)
         assert not missing, f"not served by the {algorithm} kernel: {missing}"
 
 

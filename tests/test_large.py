@@ -6,7 +6,8 @@ path (torch_tdist/bulk.py) serves large messages; TDIST_ALGORITHM=bulk makes it 
 small ones too (with a 64K heap, still several rounds), and TDIST_ALGORITHM=streamed sends
 all_gather, reduce_scatter, all_reduce and even all-to-alls through the streamed kernel (triton_kernels/streamed.py: with a
 256K heap, several rounds of several steps). TDIST_ALGORITHM=lowlatency sends calls that fit its
-slots through the low-latency kernel (triton_kernels/lowlatency.py), one launch each.
+slots through the low-latency kernel (triton_kernels/lowlatency.py), one launch each, and
+TDIST_ALGORITHM=twoshot every all_reduce through the two-shot kernel (triton_kernels/twoshot.py).
 """
 
 import pytest
@@ -50,6 +51,11 @@ def lowlatency_pool(world_size):
 
 
 @pytest.fixture
+def twoshot_pool(world_size):
+    yield _pool(world_size, "64K", TDIST_ALGORITHM="twoshot")  # 512-1024 bytes a slot: several rounds
+
+
+@pytest.fixture
 def sentinel_pool(world_size):
     yield _pool(world_size, "2M", TDIST_ALGORITHM="sentinel")  # 4-8 KB a share
 
@@ -89,6 +95,12 @@ def test_lowlatency_kernel(lowlatency_pool, n, dtype, seed):
 
 
 @pytest.mark.tdist_only
+@pytest.mark.parametrize("world_size,n,dtype", [(2, 5001, "float32"), (3, 9000, "bfloat16"), (4, 7, "float32")])
+def test_twoshot_kernel(twoshot_pool, n, dtype, seed):
+    twoshot_pool.run(J.large_messages, n, dtype, seed, timeout=120)
+
+
+@pytest.mark.tdist_only
 @ws_param([2, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_streamed_all_to_all_with_split_sizes_larger_than_a_mailbox_goes_in_turns(streamed_pool, seed, dtype):
@@ -115,6 +127,16 @@ def test_streamed_all_to_all_with_split_sizes_beside_one_without_raises(streamed
 def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed, n0, n):
     for rank, (first, second) in enumerate(streamed_pool.run(J.mismatched_all_reduce_then_one_that_matches,
                                                              seed, n0, n, timeout=60)):
+        assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
+        assert second == "right", f"rank {rank}: the next all_reduce: {second}"
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3])
+@pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: several rounds against more
+def test_twoshot_calls_that_differ_across_ranks_raise_then_the_group_goes_on(twoshot_pool, seed, n0, n):
+    for rank, (first, second) in enumerate(twoshot_pool.run(J.mismatched_all_reduce_then_one_that_matches,
+                                                            seed, n0, n, timeout=60)):
         assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
         assert second == "right", f"rank {rank}: the next all_reduce: {second}"
 

@@ -6,7 +6,8 @@ function. all_gather, reduce_scatter, all_reduce, broadcast, all-to-all and barr
 launch each of ``triton_kernels/oneshot.py`` (several rounds when a message is larger than a
 mailbox slot); large all_gathers, reduce_scatters and all_reduces, and even all-to-alls, are
 one launch each of ``triton_kernels/streamed.py`` (pushes, reductions and copies overlapped in
-steps; all_reduce two-shot; see STREAMED_FROM_BYTES); the bulk path (``bulk.py``: copies between
+steps; all_reduce two-shot; see STREAMED_FROM_BYTES); middle-sized all_reduces on GPUs are one
+launch of ``triton_kernels/twoshot.py`` (TWOSHOT_FROM_BYTES); the bulk path (``bulk.py``: copies between
 heaps, see BULK_FROM_BYTES) serves large messages on the CPU and the fused overlap ops; small
 all_gathers, all_reduces and even all-to-alls on GPUs are one launch of
 ``triton_kernels/lowlatency.py`` (LOWLATENCY_UP_TO_BYTES), and floating-point all_reduces may
@@ -31,7 +32,7 @@ from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, sentinel, staged, streamed
+from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, sentinel, staged, streamed, twoshot
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -145,7 +146,7 @@ BULK_FROM_BYTES = {
 # 2.08x, 1.28x, 1.17x, 1.10x, 1.03x (the bulk path's pulls: 0.98x and 1.00x at 64 and 256 MB);
 # reduce_scatter's one-shot kernel and the streamed one even up to 16 MB, the streamed one
 # 14-16% faster at 64 and 256 MB; all_reduce one-shot 0.4-0.9x from 4 MB, streamed (two-shot)
-# 1.0-1.3x from 1 MB; even all_to_all_single (no split sizes) streamed 1.08x-1.53x in CUDA graphs
+# 1.0-1.3x from 1 MB (up to 8 MB the two-shot kernel, TWOSHOT_FROM_BYTES, is faster still); even all_to_all_single (no split sizes) streamed 1.08x-1.53x in CUDA graphs
 # at 8 KB to 64 MB, one-shot 0.27x-0.57x. Since the one-shot kernel moves every rank's share at
 # once (collectives_NVIDIA_H200-x4-oneshot-tiles.json) it serves 1 MB all_gathers and
 # all_reduces (19.0 and 18.1 us in CUDA graphs, streamed 21.2 and 20.4 us), and matches the
@@ -158,10 +159,17 @@ BULK_FROM_BYTES = {
 STREAMED_FROM_BYTES = {
     "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None,
             "all_to_all_v": None},
-    "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (1 << 20) + 1,
+    "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (8 << 20) + 1,
              "all_to_all": (1 << 20) + 1, "all_to_all_v": 0},
 }
-_FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES}
+# Messages (bytes per rank) from which all_reduce takes the two-shot kernel (triton_kernels/
+# twoshot.py; None: never), below the streamed kernel's sizes. On 4 H200s, bf16, in CUDA graphs
+# (benchmarks/results/all_reduce_two_shot_NVIDIA_H200-x4.log), one-shot or streamed -> two-shot
+# per call: 640 KB 10.9 -> 11.1 us, 768 KB 12.0 -> 11.7, 1 MB 14.3 -> 12.9, 3 MB 23.9 -> 22.6,
+# 4 MB 28.2 -> 27.3, 8 MB 46.9 -> 45.2, 16 MB 80.5 -> 81.5: so it serves 768 KB to 8 MB.
+# TDIST_ALGORITHM=twoshot serves every all_reduce with it (the other ops one-shot).
+TWOSHOT_FROM_BYTES = {"cpu": {"all_reduce": None}, "cuda": {"all_reduce": 768 << 10}}
+_FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES, "twoshot": TWOSHOT_FROM_BYTES}
 # The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
 # rank pair (all_gather and all_reduce: the input, all-to-all: a share) whose shares are whole
 # 4-byte words. On 4 H200s, bf16, 100 calls in a CUDA graph (a throwaway probe), one-shot
@@ -195,7 +203,7 @@ SENTINEL_SHARE_BYTES = 64 << 10 if language.INTERPRET else SENTINEL_PROGRAMS * S
 _SENTINEL_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 # (every launch of these kernels counts its epoch in a slot per program)
 assert max(ONESHOT_PROGRAMS, LOWLATENCY_SLOT_WORDS // LOWLATENCY_BLOCK) <= oneshot.EPOCH_SLOTS.value
-ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "lowlatency", "sentinel")
+ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "twoshot", "lowlatency", "sentinel")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
@@ -410,6 +418,7 @@ class Executor:
         self._call_status = self._counter[oneshot.STATUS_SLOT.value:oneshot.STATUS_SLOT.value + 1]
         self._streamed_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._streamed_acks = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
+        self._gathered_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._lowlatency_words = max(4, min(LOWLATENCY_SLOT_WORDS, nbytes // 16 // (16 * world) // 4 * 4))
         self._lines = heap.empty(2 * world * self._lowlatency_words, torch.int64)
         # sentinel.py's mail: per peer an inbox and an outbox of two shares each, then its lines
@@ -564,6 +573,25 @@ class Executor:
                      OP="sum" if copy else reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32) if not copy else tl.float32, MAXP=ONESHOT_PROGRAMS,
                      LANES=self._lanes, **SIGNALLING_META)
+        self._check_status(op, dtype, n, self._call_status)
+
+    def _twoshot(self, op: str, src: torch.Tensor, dst: torch.Tensor, n: int, reduce_op: str,
+                 rounds_left: int):
+        """One launch of ``twoshot_all_reduce_kernel``: an all_reduce of ``n`` elements, shared out
+        in parts of whole 16-byte accesses, each part's blocks spread as one-shot reduce_scatter's."""
+        dtype, vector = dst.dtype, _vector(dst.dtype)
+        part = -(-n // self.world_size // vector) * vector
+        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // self._lanes, 16)
+        if not language.INTERPRET:
+            smallest = max(ONESHOT_MIN_TILE_BYTES // dtype.itemsize // self._lanes, 16)
+            block = max(smallest, min(block, triton.next_power_of_2(-(-part // ONESHOT_PROGRAMS))))
+        self._launch(op, twoshot.twoshot_all_reduce_kernel, (max(1, min(ONESHOT_PROGRAMS, -(-part // block))),),
+                     self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
+                     self._flags, self._gathered_flags, self._words, self._counter, n, part,
+                     _call_word(op, dtype, rounds_left),
+                     WORLD=self.world_size, BLOCK=block, ALIGN=vector, OP=reduce_op,
+                     ACC=_ACCUMULATOR.get(dtype, tl.float32), MAXP=ONESHOT_PROGRAMS, LANES=self._lanes,
+                     **SIGNALLING_META)
         self._check_status(op, dtype, n, self._call_status)
 
     def _streamed(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
@@ -926,6 +954,11 @@ class Executor:
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
                     self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
                                    reduce_op=reduce_op, rounds_left=left)
+            elif self._takes("twoshot", "all_reduce", nbytes):  # a share per rank: half a slot each
+                vector = _vector(src.dtype)
+                shares = self.world_size * (self._slot_bytes // src.element_size() // 2 // vector * vector)
+                for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
+                    self._twoshot(name, src[start:], out.flat[start:], length, reduce_op, left)
             else:
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype):
                     self._oneshot(name, "all_reduce", src[start:], out.flat[start:], length,
