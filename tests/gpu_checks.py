@@ -600,7 +600,8 @@ def twoshot_path(tg, rank, world, device, gen):
     """The two-shot all_reduce (triton_kernels/twoshot.py) on a group that takes it at every size,
     with a 64 MB heap (1 MB a share on 4 ranks, so the largest call takes two rounds): fp32 and
     bf16 (sum, avg, max) with odd element counts, back to back with all_gather and reduce_scatter
-    (one-shot there), then 20 CUDA-graph replays of a 1 MB fp32 all_reduce."""
+    (one-shot there); a 1 MB all_reduce three times on it and on the default tdist group (two-shot
+    there too; the later calls replayed by C++); then 20 CUDA-graph replays of a 1 MB fp32 all_reduce."""
     from torch_tdist import collectives
 
     wg = _tdist_group({"TDIST_ALGORITHM": "twoshot", "TDIST_HEAP_SIZE": "64M"})
@@ -613,11 +614,15 @@ def twoshot_path(tg, rank, world, device, gen):
     collectives.Executor._twoshot = counted
     try:
         _large_calls(wg, "twoshot", (3, 1001, "3M", (1 << 20) + 3), world, device, gen)
+        for trial in range(3):  # one shape again: the later calls replay C++'s launch plan
+            for group, label in ((wg, "twoshot"), (tg, "auto")):  # (1 MB and 3 elements: two-shot in both)
+                x = _rand((1 << 18) + 3, torch.float32, device, gen)
+                _check(f"{label} all_reduce sum n={x.numel()} #{trial}", *_pair(_all_reduced(x, REDUCE_OPS["sum"]), group))
     finally:
         collectives.Executor._twoshot = original
     global _checked
     _checked += 1
-    if len(served) < 2 * 4 * 3:  # 2 dtypes x 4 sizes x 3 reduce ops, the 4 MB ones in two rounds
+    if len(served) < 2 * 4 * 3 + 3:  # 2 dtypes x 4 sizes x 3 reduce ops (the 4 MB ones in two rounds), the 1 MB ones
         _failures.append(f"twoshot: the kernel served {len(served)} launches, not every all_reduce")
     _graph_replays(wg, "twoshot ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
