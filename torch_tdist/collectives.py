@@ -548,20 +548,27 @@ class Executor:
                      WORLD=self.world_size, BLOCK=BLOCK, OP=reduce_op, ACC=_ACCUMULATOR[out.dtype])
         self._check_status(op, out.dtype, count)
 
+    def _oneshot_grid(self, dtype: torch.dtype, n: int | None) -> tuple[int, int]:
+        """(elements per tile, programs) of a one-shot or two-shot launch that moves ``n``
+        elements per rank pair: on GPUs tiles of ONESHOT_TILE_BYTES in all, or spread over every
+        program in tiles down to ONESHOT_MIN_TILE_BYTES (whole 16-byte accesses). None: every
+        program, full tiles."""
+        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // self._lanes, 16)
+        if n is None:
+            return block, ONESHOT_PROGRAMS
+        if not language.INTERPRET:
+            smallest = max(ONESHOT_MIN_TILE_BYTES // dtype.itemsize // self._lanes, 16)
+            block = max(smallest, min(block, triton.next_power_of_2(-(-n // ONESHOT_PROGRAMS))))
+        return block, max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
+
     def _oneshot(self, op: str, mode: str, src: torch.Tensor, dst: torch.Tensor, n: int,
                  stride: int = 0, reduce_op: str = "sum", root: int = 0, tables=None,
                  offsets=(), rounds_left: int = 1):
         """One launch of ``oneshot_kernel`` (arguments as there); ``offsets``: the element
         offsets the kernel adds to ``src`` or ``dst``, for the alignment it may assume."""
         dtype = dst.dtype
-        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // self._lanes, 16)
-        if mode == "all_to_all" and n == 0:  # ranks' counts may differ, the grid must not
-            programs = ONESHOT_PROGRAMS
-        else:
-            if not language.INTERPRET:  # spread over every program, in tiles of whole 16-byte accesses
-                smallest = max(ONESHOT_MIN_TILE_BYTES // dtype.itemsize // self._lanes, 16)
-                block = max(smallest, min(block, triton.next_power_of_2(-(-n // ONESHOT_PROGRAMS))))
-            programs = max(1, min(ONESHOT_PROGRAMS, -(-n // block)))
+        # (all-to-alls whose counts come in a table: ranks' counts may differ, the grid must not)
+        block, programs = self._oneshot_grid(dtype, None if mode == "all_to_all" and n == 0 else n)
         copy = mode in ("all_gather", "broadcast", "all_to_all")
         self._launch(op, oneshot.oneshot_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
@@ -578,14 +585,12 @@ class Executor:
     def _twoshot(self, op: str, src: torch.Tensor, dst: torch.Tensor, n: int, reduce_op: str,
                  rounds_left: int):
         """One launch of ``twoshot_all_reduce_kernel``: an all_reduce of ``n`` elements, shared out
-        in parts of whole 16-byte accesses, each part's blocks spread as one-shot reduce_scatter's."""
+        in parts of whole 16-byte accesses, each part's blocks spread as one-shot reduce_scatter's
+        (``_oneshot_grid``)."""
         dtype, vector = dst.dtype, _vector(dst.dtype)
         part = -(-n // self.world_size // vector) * vector
-        block = BLOCK if language.INTERPRET else max(ONESHOT_TILE_BYTES // dtype.itemsize // self._lanes, 16)
-        if not language.INTERPRET:
-            smallest = max(ONESHOT_MIN_TILE_BYTES // dtype.itemsize // self._lanes, 16)
-            block = max(smallest, min(block, triton.next_power_of_2(-(-part // ONESHOT_PROGRAMS))))
-        self._launch(op, twoshot.twoshot_all_reduce_kernel, (max(1, min(ONESHOT_PROGRAMS, -(-part // block))),),
+        block, programs = self._oneshot_grid(dtype, part)
+        self._launch(op, twoshot.twoshot_all_reduce_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._flags, self._gathered_flags, self._words, self._counter, n, part,
                      _call_word(op, dtype, rounds_left),
