@@ -772,6 +772,7 @@ class Executor:
         yield self._flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._streamed_flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._streamed_acks.data_ptr(), ONESHOT_PROGRAMS, world
+        yield self._gathered_flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._lines.data_ptr(), 2 * self._lowlatency_words, world
         yield self._mail.data_ptr(), self._sentinel_peer // 8, world
         yield signals, 1, world
