@@ -229,6 +229,21 @@ def mismatched_all_reduce_then_one_that_matches(rank, ws, seed, n0, n):
     return first, "right" if torch.allclose(ar, sum(xs), rtol=1e-5, atol=1e-5) else "wrong"
 
 
+def twoshot_beside_oneshot(rank, ws, seed):
+    """An all_reduce on a new group whose rank 0 serves it two-shot and the others one-shot
+    (TDIST_ALGORITHM differs across ranks). Returns what the call raised, or "returned"."""
+    from tests.common import new_group_with_env
+
+    group = new_group_with_env("tdist", {"TDIST_ALGORITHM": "twoshot" if rank == 0 else "oneshot"})
+    try:
+        dist.all_reduce(_inputs(seed, ws, 1000, torch.float32)[rank], group=group)
+        return "returned"
+    except ValueError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group(group)
+
+
 def bulk_mismatched_then_refused(rank, ws):
     """Rank 0 gathers 100 elements, the others 200, on the bulk path; then every rank calls
     again. Returns what each call raised (type and message)."""

@@ -142,6 +142,14 @@ def test_twoshot_calls_that_differ_across_ranks_raise_then_the_group_goes_on(two
 
 
 @pytest.mark.tdist_only
+@ws_param([2, 3])
+def test_twoshot_beside_oneshot_raises_on_every_rank(twoshot_pool, seed):
+    # the two kernels share flags and call words but lay shares out otherwise
+    for rank, outcome in enumerate(twoshot_pool.run(J.twoshot_beside_oneshot, seed, timeout=60)):
+        assert "different call" in outcome and "TDIST_ALGORITHM" in outcome, f"rank {rank}: {outcome}"
+
+
+@pytest.mark.tdist_only
 @ws_param([2])
 def test_every_op_in_rounds_on_bulk_path(bulk_pool, seed):
     bulk_pool.run(J.every_op_in_rounds, 5001, "float32", seed, timeout=120)

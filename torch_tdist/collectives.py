@@ -169,6 +169,10 @@ STREAMED_FROM_BYTES = {
 # 4 MB 28.2 -> 27.3, 8 MB 46.9 -> 45.2, 16 MB 80.5 -> 81.5: so it serves 768 KB to 8 MB.
 # TDIST_ALGORITHM=twoshot serves every all_reduce with it (the other ops one-shot).
 TWOSHOT_FROM_BYTES = {"cpu": {"all_reduce": None}, "cuda": {"all_reduce": 768 << 10}}
+# Set in the op byte of a two-shot launch's call word: it shares the one-shot kernel's flags and
+# mailboxes but lays shares out otherwise, so a peer that served the same call one-shot (another
+# TDIST_ALGORITHM) must see a different call, not sum half-written slots.
+TWOSHOT_CALL_BIT = 1 << 7
 _FROM_BYTES = {"bulk": BULK_FROM_BYTES, "streamed": STREAMED_FROM_BYTES, "twoshot": TWOSHOT_FROM_BYTES}
 # The low-latency kernel (triton_kernels/lowlatency.py) serves messages up to these bytes per
 # rank pair (all_gather and all_reduce: the input, all-to-all: a share) whose shares are whole
@@ -593,7 +597,7 @@ class Executor:
         self._launch(op, twoshot.twoshot_all_reduce_kernel, (programs,),
                      self._heap.ctx, src, dst, self._box(dtype), self._slot_bytes // dtype.itemsize,
                      self._flags, self._gathered_flags, self._words, self._counter, n, part,
-                     _call_word(op, dtype, rounds_left),
+                     _call_word(op, dtype, rounds_left) | TWOSHOT_CALL_BIT,
                      WORLD=self.world_size, BLOCK=block, ALIGN=vector, OP=reduce_op,
                      ACC=_ACCUMULATOR.get(dtype, tl.float32), MAXP=ONESHOT_PROGRAMS, LANES=self._lanes,
                      **SIGNALLING_META)
@@ -878,8 +882,8 @@ class Executor:
         what = f"{count} {str(dtype).replace('torch.', '')} elements" if count != NO_COUNT else str(dtype)
         raise ValueError(
             f"tdist {op}: rank {peer} made a different call than this rank ({op} of {what}): "
-            f"another collective, dtype or element count. Every rank of a group must make the "
-            f"same calls in the same order with matching tensors")
+            f"another collective, dtype or element count (or another TDIST_ALGORITHM). Every rank of "
+            f"a group must make the same calls in the same order with matching tensors")
 
     # ---- the collectives (names as in torch.distributed) ---------------------------------
     def all_gather_into_tensor(self, output, input):

@@ -19,7 +19,9 @@ waits only on program ``q`` of other ranks (the block split is the same on every
 one-shot kernel, whose mailboxes, call words, flags and epochs this kernel shares: its parity
 rule holds across both kernels (a rank that starts call ``e + 2`` has seen every peer's first
 signal of ``e + 1``, so every peer has finished ``e``, second halves included). ``gathered`` is
-this kernel's own ``[WORLD][MAXP]`` block (epochs only grow, so ``>=`` never misses one).
+this kernel's own ``[WORLD][MAXP]`` block (epochs only grow, so ``>=`` never misses one). Its
+call word carries a bit of its own (collectives.TWOSHOT_CALL_BIT), so a peer that serves the
+same call one-shot (another TDIST_ALGORITHM) sees a different call.
 """
 
 import triton.language as tl
