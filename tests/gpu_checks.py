@@ -10,6 +10,7 @@ non-zero if any failed.
 """
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import sys
@@ -596,30 +597,38 @@ def streamed_path(tg, rank, world, device, gen):
     _graph_replays(sg, "streamed ", n, n, torch.float32, 20, warmups=1, device=device, gen=gen)
 
 
+@contextlib.contextmanager
+def _launches_of(method: str, what):
+    """A list that gets ``what(args)`` of every call of ``collectives.Executor.<method>`` made
+    inside the block (which kernel served what)."""
+    from torch_tdist import collectives
+
+    original = getattr(collectives.Executor, method)
+    served = []
+
+    def counted(self, *args, **kwargs):
+        served.append(what(args))
+        return original(self, *args, **kwargs)
+    setattr(collectives.Executor, method, counted)
+    try:
+        yield served
+    finally:
+        setattr(collectives.Executor, method, original)
+
+
 def twoshot_path(tg, rank, world, device, gen):
     """The two-shot all_reduce (triton_kernels/twoshot.py) on a group that takes it at every size,
     with a 64 MB heap (1 MB a share on 4 ranks, so the largest call takes two rounds): fp32 and
     bf16 (sum, avg, max) with odd element counts, back to back with all_gather and reduce_scatter
     (one-shot there); a 1 MB all_reduce three times on it and on the default tdist group (two-shot
     there too; the later calls replayed by C++); then 20 CUDA-graph replays of a 1 MB fp32 all_reduce."""
-    from torch_tdist import collectives
-
     wg = _tdist_group({"TDIST_ALGORITHM": "twoshot", "TDIST_HEAP_SIZE": "64M"})
-    served = []
-    original = collectives.Executor._twoshot
-
-    def counted(self, *args, **kwargs):
-        served.append(args[0])
-        return original(self, *args, **kwargs)
-    collectives.Executor._twoshot = counted
-    try:
+    with _launches_of("_twoshot", lambda args: args[0]) as served:
         _large_calls(wg, "twoshot", (3, 1001, "3M", (1 << 20) + 3), world, device, gen)
         for trial in range(3):  # one shape again: the later calls replay C++'s launch plan
             for group, label in ((wg, "twoshot"), (tg, "auto")):  # (1 MB and 3 elements: two-shot in both)
                 x = _rand((1 << 18) + 3, torch.float32, device, gen)
                 _check(f"{label} all_reduce sum n={x.numel()} #{trial}", *_pair(_all_reduced(x, REDUCE_OPS["sum"]), group))
-    finally:
-        collectives.Executor._twoshot = original
     global _checked
     _checked += 1
     if len(served) < 2 * 4 * 3 + 3:  # 2 dtypes x 4 sizes x 3 reduce ops (the 4 MB ones in two rounds), the 1 MB ones
@@ -635,14 +644,7 @@ def lowlatency_path(tg, rank, world, device, gen):
     from torch_tdist import collectives
 
     lg = _tdist_group({"TDIST_ALGORITHM": "lowlatency"})
-    served = []
-    original = collectives.Executor._lowlatency
-
-    def counted(self, *args, **kwargs):
-        served.append(args[1])
-        return original(self, *args, **kwargs)
-    collectives.Executor._lowlatency = counted
-    try:
+    with _launches_of("_lowlatency", lambda args: args[1]) as served:
         _large_calls(lg, "lowlatency", (2, 1000, 4096 + 8, collectives.LOWLATENCY_SLOT_WORDS), world, device, gen)
         for dtype in (torch.bfloat16, torch.uint8):
             for n in (8, 4096):
@@ -653,8 +655,6 @@ def lowlatency_path(tg, rank, world, device, gen):
                     dist.all_to_all_single(out, x, group=g)
                     return out
                 _check(f"lowlatency all_to_all_single {str(dtype)[6:]} n={n}", *_pair(exchange, lg))
-    finally:
-        collectives.Executor._lowlatency = original
     global _checked
     _checked += 1
     if not {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"} <= set(served):
@@ -667,18 +667,9 @@ def sentinel_path(tg, rank, world, device, gen):
     serves: fp32 and bf16 (sum, avg, max) from 1001 elements to 1 MB, fp16 and inputs with zeros
     of both signs, back to back with the other collectives (one-shot there); then 20 CUDA-graph
     replays of a 1 MB fp32 all_reduce."""
-    from torch_tdist import collectives
-
     sg = _tdist_group({"TDIST_ALGORITHM": "sentinel"})
     _progress(rank, "sentinel_path: group made")
-    served = []
-    original = collectives.Executor._sentinel
-
-    def counted(self, *args, **kwargs):
-        served.append(args[1].numel())
-        return original(self, *args, **kwargs)
-    collectives.Executor._sentinel = counted
-    try:
+    with _launches_of("_sentinel", lambda args: args[1].numel()) as served:
         _large_calls(sg, "sentinel", (1001, (1 << 16) + 3, (1 << 18) - 5), world, device, gen)
         _progress(rank, "sentinel_path: calls done")
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -687,8 +678,6 @@ def sentinel_path(tg, rank, world, device, gen):
                 x[::3], x[1::5] = 0.0, -0.0
                 _check(f"sentinel all_reduce with zeros {str(dtype)[6:]} n={n}",
                        *_pair(_all_reduced(x, dist.ReduceOp.SUM), sg))
-    finally:
-        collectives.Executor._sentinel = original
     global _checked
     _checked += 1
     if len(served) < 6 * 3 + 6:

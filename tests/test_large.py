@@ -123,20 +123,12 @@ def test_streamed_all_to_all_with_split_sizes_beside_one_without_raises(streamed
 
 @pytest.mark.tdist_only
 @ws_param([2, 3])
-@pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: one round against two or three
-def test_streamed_calls_that_differ_across_ranks_raise_then_the_group_goes_on(streamed_pool, seed, n0, n):
-    for rank, (first, second) in enumerate(streamed_pool.run(J.mismatched_all_reduce_then_one_that_matches,
-                                                             seed, n0, n, timeout=60)):
-        assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
-        assert second == "right", f"rank {rank}: the next all_reduce: {second}"
-
-
-@pytest.mark.tdist_only
-@ws_param([2, 3])
-@pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: several rounds against more
-def test_twoshot_calls_that_differ_across_ranks_raise_then_the_group_goes_on(twoshot_pool, seed, n0, n):
-    for rank, (first, second) in enumerate(twoshot_pool.run(J.mismatched_all_reduce_then_one_that_matches,
-                                                            seed, n0, n, timeout=60)):
+@pytest.mark.parametrize("kernel", ["streamed", "twoshot"])
+@pytest.mark.parametrize("n0,n", [(100, 200), (4096, 8192)])  # the second: fewer rounds (or steps) against more
+def test_calls_that_differ_across_ranks_raise_then_the_group_goes_on(request, world_size, kernel, seed, n0, n):
+    pool = request.getfixturevalue(f"{kernel}_pool")
+    for rank, (first, second) in enumerate(pool.run(J.mismatched_all_reduce_then_one_that_matches,
+                                                    seed, n0, n, timeout=60)):
         assert "different call" in first and "all_reduce" in first, f"rank {rank}: {first}"
         assert second == "right", f"rank {rank}: the next all_reduce: {second}"
 

@@ -964,9 +964,8 @@ class Executor:
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
                     self._streamed(name, "all_reduce", src[start:], out.flat[start:], length,
                                    reduce_op=reduce_op, rounds_left=left)
-            elif self._takes("twoshot", "all_reduce", nbytes):  # a share per rank: half a slot each
-                vector = _vector(src.dtype)
-                shares = self.world_size * (self._slot_bytes // src.element_size() // 2 // vector * vector)
+            elif self._takes("twoshot", "all_reduce", nbytes):  # (slots are whole 256 bytes: halves hold whole shares)
+                shares = self.world_size * (self._slot_bytes // src.element_size() // 2)
                 for start, length, left in self._slot_rounds(src.numel(), src.dtype, shares):
                     self._twoshot(name, src[start:], out.flat[start:], length, reduce_op, left)
             else:
