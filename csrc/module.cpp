@@ -91,6 +91,14 @@ PYBIND11_MODULE(_C, m) {
           py::call_guard<py::gil_scoped_release>(),
           "Raise the error later calls get once the group was aborted.")
       .def(
+          "order_queued",
+          &ProcessGroupTDist::orderQueued,
+          py::arg("device"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Make the CUDA device's current stream wait for the group's last "
+          "call where that ran on another stream (before a call of "
+          "torch_tdist.ops).")
+      .def(
           "watch_queued",
           &ProcessGroupTDist::watchQueued,
           py::arg("op"),

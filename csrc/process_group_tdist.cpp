@@ -785,9 +785,7 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
   }
   TORCH_CHECK_VALUE(name, "tdist: watch_queued: no queued op named '", op, "'");
   auto stream = currentStream(c10::Device(c10::kCUDA, device));
-  if (captureId(stream) != 0) {
-    return;
-  }
+  uint64_t capture = captureId(stream);
   auto work = c10::make_intrusive<TDistWork>(
       rank_,
       OpType::UNKNOWN,
@@ -795,9 +793,23 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
       std::vector<at::Tensor>{},
       std::vector<at::Tensor>{},
       /*asyncOp=*/false);
-  work->startOnStream(stream, events_, false, 0);
+  work->startOnStream(stream, events_, false, capture);
   work->markDone(); // (its end recorded on `stream`)
+  if (capture != 0) {
+    lastCaptured_ = {stream, work->end(), capture};
+    return;
+  }
+  lastEager_ = {stream, work->end(), 0};
   watch(work, name);
+}
+
+void ProcessGroupTDist::orderQueued(c10::DeviceIndex device) {
+  auto stream = currentStream(c10::Device(c10::kCUDA, device));
+  uint64_t capture = captureId(stream);
+  const auto& last = capture != 0 ? lastCaptured_ : lastEager_;
+  if (last.end && last.capture == capture && *last.stream != stream) {
+    last.end->block(stream);
+  }
 }
 
 Watchdog& ProcessGroupTDist::watchdog() {

@@ -205,9 +205,13 @@ class ProcessGroupTDist : public c10d::Backend {
   // For the calls torch_tdist.ops queues from Python (kQueuedOps): raises
   // the error later calls get once the group was aborted, and watches the
   // work queued on `device`'s current stream until now, as the group's own
-  // calls are (not counted in stats(); nothing is watched in a CUDA graph
-  // capture).
+  // calls are, and makes it the group's last call (not counted in stats();
+  // nothing is watched in a CUDA graph capture).
   void checkOpen(const std::string& op) const;
+  // Before such a call: `device`'s current stream waits for the group's last
+  // call where that ran on another stream (an async collective not yet
+  // waited for), so the group's work runs in one order, as NCCL's does.
+  void orderQueued(c10::DeviceIndex device);
   void watchQueued(const std::string& op, c10::DeviceIndex device);
   uintptr_t abortWordAddress() const {
     return reinterpret_cast<uintptr_t>(abortWord_);

@@ -728,6 +728,38 @@ def fused_ops(tg, rank, world, device, gen):
         print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
 
 
+def fused_after_async(tg, rank, world, device, gen):
+    """An overlapped op issued while an async collective of its group is still running (no
+    wait() between them) runs after it, as a second collective of the group would (one stream
+    order per group): all_gather_matmul of the tensor an async all_reduce is summing in place
+    gets the sum. The last rank sleeps before both, so that on the others the all_reduce is
+    still waiting when the op is queued (unordered, the op would read the tensor unsummed)."""
+    if NVSHMEM:
+        return  # (the overlapped ways need the cuda transport: fused_ops)
+    m, k, n = 256, 384, 512
+    for label, env in (("fused", {"TDIST_OVERLAP": "fused"}), ("pipelined", {"TDIST_OVERLAP": "pipelined"})):
+        og = _tdist_group(env)
+        b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16)
+        for call in range(2):  # (the second: both replayed from C++)
+            x = torch.randn(m * k, device=device, generator=gen).to(torch.bfloat16)
+            summed = x.clone()
+            dist.all_reduce(summed)  # (NCCL)
+            a_full = torch.empty(world * m, k, device=device)
+            dist.all_gather_into_tensor(a_full, summed.view(m, k).float())
+            dist.barrier()
+            torch.cuda.synchronize()
+            if rank == world - 1:
+                torch.cuda._sleep(20_000_000)  # (about 10 ms)
+            work = dist.all_reduce(x, group=og, async_op=True)
+            out = torch_tdist.ops.all_gather_matmul(x.view(m, k), b, group=og)
+            work.wait()
+            torch.cuda.synchronize()
+            _check(f"{label} async all_reduce, call {call}", x, summed)
+            _relative(f"{label} all_gather_matmul of the all_reduce's tensor, call {call}", out, a_full @ b.float())
+        if torch_tdist.get_executor(og).fused_calls["all_gather_matmul"] != 2:
+            _failures.append(f"{label}: the op did not take the overlapped way")
+
+
 def pipelined_graphs(tg, rank, world, device, gen):
     """Pipelined ops replayed as CUDA graphs (Executor._run_program): the same tensors, refilled
     with fresh random data and the outputs poisoned before every call, so that calls from the
@@ -1045,7 +1077,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, pipelined_graphs, pipelined_back_to_back,
+          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 # Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).

@@ -304,12 +304,16 @@ def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
 
 
 def _watched(backend, op: str, run, *args) -> bool:
-    """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked and
-    watched as the group's collectives are (``backend``: the group's): it raises once the group
-    was aborted, and where its GPU work has not finished within the group's timeout (a peer
-    died) the group's watchdog aborts the group, so that its waits give up and later calls raise."""
+    """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked,
+    ordered and watched as the group's collectives are (``backend``: the group's): it raises once
+    the group was aborted; on GPUs it runs after the group's calls before it and before those
+    after it (one stream order per group, as NCCL's), and where its GPU work has not finished
+    within the group's timeout (a peer died) the group's watchdog aborts the group, so that its
+    waits give up and later calls raise."""
     backend.check_open(op)
     device = args[0].device  # (the group's: the executor refuses tensors on another)
+    if device.type == "cuda":
+        backend.order_queued(device.index)  # (after an async collective of the group not yet waited for)
     try:
         return run(*args)
     finally:  # (also what a way that raised part-way had queued)
