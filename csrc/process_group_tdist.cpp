@@ -794,11 +794,16 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
       std::vector<at::Tensor>{},
       /*asyncOp=*/false);
   work->startOnStream(stream, events_, false, capture);
-  work->markDone(); // (its end recorded on `stream`)
   if (capture != 0) {
+    try {
+      work->markDone(); // (its end recorded in the capture)
+    } catch (const std::exception&) {
+      return; // an invalidated capture (the op's own error, which Python is raising): nothing to order
+    }
     lastCaptured_ = {stream, work->end(), capture};
     return;
   }
+  work->markDone(); // (its end recorded on `stream`)
   lastEager_ = {stream, work->end(), 0};
   watch(work, name);
 }

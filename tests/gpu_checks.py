@@ -732,15 +732,16 @@ def fused_after_async(tg, rank, world, device, gen):
     """An overlapped op issued while an async collective of its group is still running (no
     wait() between them) runs after it, as a second collective of the group would (one stream
     order per group): all_gather_matmul of the tensor an async all_reduce is summing in place
-    gets the sum. The last rank sleeps before both, so that on the others the all_reduce is
-    still waiting when the op is queued (unordered, the op would read the tensor unsummed)."""
+    gets the sum. The all_reduce is issued from a side stream that first sleeps, the op from the
+    caller's stream (unordered, the op would read the tensor unsummed on every rank)."""
     if NVSHMEM:
         return  # (the overlapped ways need the cuda transport: fused_ops)
     m, k, n = 256, 384, 512
     for label, env in (("fused", {"TDIST_OVERLAP": "fused"}), ("pipelined", {"TDIST_OVERLAP": "pipelined"})):
         og = _tdist_group(env)
         b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16)
-        for call in range(2):  # (the second: both replayed from C++)
+        side = torch.cuda.Stream(device)
+        for call in range(2):  # (the second: the all_reduce, and the pipelined way, replayed from C++)
             x = torch.randn(m * k, device=device, generator=gen).to(torch.bfloat16)
             summed = x.clone()
             dist.all_reduce(summed)  # (NCCL)
@@ -748,9 +749,9 @@ def fused_after_async(tg, rank, world, device, gen):
             dist.all_gather_into_tensor(a_full, summed.view(m, k).float())
             dist.barrier()
             torch.cuda.synchronize()
-            if rank == world - 1:
+            with torch.cuda.stream(side):
                 torch.cuda._sleep(20_000_000)  # (about 10 ms)
-            work = dist.all_reduce(x, group=og, async_op=True)
+                work = dist.all_reduce(x, group=og, async_op=True)
             out = torch_tdist.ops.all_gather_matmul(x.view(m, k), b, group=og)
             work.wait()
             torch.cuda.synchronize()

@@ -256,6 +256,7 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     dim = _checked_gather(a_shard, bs, gather_dim)
     group = _group(group_name)
     backend = _tdist_backend(group)
+    _ordered(backend, a_shard)
 
     def sequential():
         a_full = _all_gather(a_shard, dim, group)
@@ -304,21 +305,27 @@ def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
 
 
 def _watched(backend, op: str, run, *args) -> bool:
-    """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked,
-    ordered and watched as the group's collectives are (``backend``: the group's): it raises once
-    the group was aborted; on GPUs it runs after the group's calls before it and before those
-    after it (one stream order per group, as NCCL's), and where its GPU work has not finished
-    within the group's timeout (a peer died) the group's watchdog aborts the group, so that its
-    waits give up and later calls raise."""
+    """``run(*args)``, an executor's overlapped way (it returns whether it ran), checked and
+    watched as the group's collectives are (``backend``: the group's): it raises once the group
+    was aborted, and where its GPU work has not finished within the group's timeout (a peer
+    died) the group's watchdog aborts the group, so that its waits give up and later calls
+    raise. The group's calls after it run after it (``_ordered``: before it)."""
     backend.check_open(op)
     device = args[0].device  # (the group's: the executor refuses tensors on another)
-    if device.type == "cuda":
-        backend.order_queued(device.index)  # (after an async collective of the group not yet waited for)
     try:
         return run(*args)
     finally:  # (also what a way that raised part-way had queued)
         if device.type == "cuda":
             backend.watch_queued(op, device.index)
+
+
+def _ordered(backend, t: Tensor):
+    """On GPUs, the caller's stream waits for the group's last call where that ran on another
+    stream (an async collective not yet waited for), so that an op, whichever way it runs (its
+    copies and matmuls included), runs after the group's calls before it: one stream order per
+    group, as NCCL's."""
+    if t.device.type == "cuda":
+        backend.order_queued(t.device.index)
 
 
 def _checked_gather(a_shard, bs, gather_dim) -> int:
@@ -366,6 +373,7 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
     backend = _tdist_backend(group)
     world = group.size()
     dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
+    _ordered(backend, a)
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, _rows_class(a), b.shape[1])
     return _run(group, backend, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
