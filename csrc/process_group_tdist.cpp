@@ -785,7 +785,6 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
   }
   TORCH_CHECK_VALUE(name, "tdist: watch_queued: no queued op named '", op, "'");
   auto stream = currentStream(c10::Device(c10::kCUDA, device));
-  uint64_t capture = captureId(stream);
   auto work = c10::make_intrusive<TDistWork>(
       rank_,
       OpType::UNKNOWN,
@@ -793,27 +792,39 @@ void ProcessGroupTDist::watchQueued(const std::string& op, c10::DeviceIndex devi
       std::vector<at::Tensor>{},
       std::vector<at::Tensor>{},
       /*asyncOp=*/false);
-  work->startOnStream(stream, events_, false, capture);
-  if (capture != 0) {
-    try {
-      work->markDone(); // (its end recorded in the capture)
-    } catch (const std::exception&) {
-      return; // an invalidated capture (the op's own error, which Python is raising): nothing to order
+  work->startOnStream(stream, events_, false, captureId(stream));
+  try {
+    work->markDone(); // (its end recorded on `stream`)
+  } catch (const std::exception&) {
+    if (work->capture() == 0) {
+      throw;
     }
-    lastCaptured_ = {stream, work->end(), capture};
-    return;
+    return; // an invalidated capture (the op's own error, which Python is raising): nothing to order
   }
-  work->markDone(); // (its end recorded on `stream`)
-  lastEager_ = {stream, work->end(), 0};
-  watch(work, name);
+  becomeLastCall(*work);
+  if (work->watchable()) {
+    watch(work, name);
+  }
 }
 
 void ProcessGroupTDist::orderQueued(c10::DeviceIndex device) {
   auto stream = currentStream(c10::Device(c10::kCUDA, device));
-  uint64_t capture = captureId(stream);
-  const auto& last = capture != 0 ? lastCaptured_ : lastEager_;
+  waitForLastCall(stream, captureId(stream));
+}
+
+void ProcessGroupTDist::waitForLastCall(c10::Stream stream, uint64_t capture) const {
+  const auto& last = lastCall(capture);
   if (last.end && last.capture == capture && *last.stream != stream) {
     last.end->block(stream);
+  }
+}
+
+void ProcessGroupTDist::becomeLastCall(const TDistWork& work) {
+  if (work.end() && work.capture() != 0) {
+    lastCaptured_ = {work.stream(), work.end(), work.capture()};
+  }
+  if (work.watchable()) {
+    lastEager_ = {work.stream(), work.end(), 0};
   }
 }
 
@@ -1214,11 +1225,9 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
     uint64_t capture = captureId(caller);
     auto comm = commStream(*device);
     auto stream = asyncOp ? comm : caller;
-    const auto& last = capture != 0 ? lastCaptured_ : lastEager_;
     // (an async call after one on the caller's stream already waits for it)
-    if (last.end && last.capture == capture && *last.stream != stream &&
-        !(stream == comm && *last.stream == caller)) {
-      last.end->block(stream);
+    if (!(stream == comm && lastCall(capture).stream == caller)) {
+      waitForLastCall(stream, capture);
     }
     work->startOnStream(stream, events_, op == Op::Barrier, capture);
   }
@@ -1232,11 +1241,8 @@ WorkPtr ProcessGroupTDist::finishWork(
   count(op, Route::Tdist, n);
   work->setSequenceNumber(++seq_);
   work->markDone();
-  if (work->end() && work->capture() != 0) {
-    lastCaptured_ = {work->stream(), work->end(), work->capture()};
-  }
+  becomeLastCall(*work);
   if (work->watchable()) {
-    lastEager_ = {work->stream(), work->end(), 0};
     watch(work, opName(op));
   }
   // As NCCL's since torch 2.8: a call the caller waits for at once returns no

@@ -425,6 +425,15 @@ class ProcessGroupTDist : public c10d::Backend {
   };
   LastCall lastEager_;
   LastCall lastCaptured_;
+  // The group's last GPU call in `capture` (0: outside CUDA graph captures).
+  const LastCall& lastCall(uint64_t capture) const {
+    return capture != 0 ? lastCaptured_ : lastEager_;
+  }
+  // `stream` waits for the group's last call where that ran on another stream
+  // (in the same capture).
+  void waitForLastCall(c10::Stream stream, uint64_t capture) const;
+  // Makes `work` (done, see TDistWork::markDone) the group's last call.
+  void becomeLastCall(const TDistWork& work);
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
   std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;
