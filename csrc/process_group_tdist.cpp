@@ -1237,8 +1237,9 @@ c10::intrusive_ptr<TDistWork> ProcessGroupTDist::startWork(
 WorkPtr ProcessGroupTDist::finishWork(
     c10::intrusive_ptr<TDistWork> work,
     Op op,
-    size_t n) {
-  count(op, Route::Tdist, n);
+    size_t n,
+    Route route) {
+  count(op, route, n);
   work->setSequenceNumber(++seq_);
   work->markDone();
   becomeLastCall(*work);
@@ -1253,6 +1254,39 @@ WorkPtr ProcessGroupTDist::finishWork(
     return nullptr;
   }
   return work;
+}
+
+template <typename CallOptions, typename Call>
+WorkPtr ProcessGroupTDist::handOver(
+    Op op,
+    OpType type,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs,
+    const CallOptions& opts,
+    size_t n,
+    Call call) {
+  const auto& ref = inputs.empty() ? outputs.at(0) : inputs[0];
+  auto& backend = fallbackFor(op, ref.device().type());
+  if (!ref.is_cuda()) {
+    count(op, Route::Fallback, n);
+    return call(backend, opts);
+  }
+  if (!opts.asyncOp) {
+    // (no end event: in CUDA graphs its node between two NCCL kernels cost
+    // about 2 us a call)
+    auto caller = currentStream(ref.device());
+    waitForLastCall(caller, captureId(caller));
+    count(op, Route::Fallback, n);
+    return call(backend, opts);
+  }
+  auto work = startWork(op, type, inputs, outputs, true);
+  CallOptions onStream = opts;
+  onStream.asyncOp = false; // (NCCL: on the current stream, startWork's)
+  auto nested = call(backend, onStream);
+  if (nested) {
+    nested->wait(); // (a backend that still returns Work for a synchronous call)
+  }
+  return finishWork(work, op, n, Route::Fallback);
 }
 
 // ---------------------------------------------------------------- all-gather
@@ -1332,9 +1366,11 @@ WorkPtr ProcessGroupTDist::_allgather_base(
   checkAllGatherPair(op, output, input, size_);
   if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
       Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, input.device().type())
-        ._allgather_base(output, input, opts);
+    return handOver(
+        op, OpType::_ALLGATHER_BASE, {input}, {output}, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b._allgather_base(output, input, o);
+        });
   }
   auto work = startWork(op, OpType::_ALLGATHER_BASE, {input}, {output}, opts.asyncOp);
   executePlanned(
@@ -1365,9 +1401,11 @@ WorkPtr ProcessGroupTDist::allgather_into_tensor_coalesced(
     }
   }
   if (route == Route::Fallback) {
-    count(op, Route::Fallback, inputs.size());
-    return fallbackFor(op, inputs[0].device().type())
-        .allgather_into_tensor_coalesced(outputs, inputs, opts);
+    return handOver(
+        op, OpType::COALESCED, inputs, outputs, opts, inputs.size(),
+        [&](c10d::Backend& b, const auto& o) {
+          return b.allgather_into_tensor_coalesced(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::COALESCED, inputs, outputs, opts.asyncOp);
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -1393,9 +1431,11 @@ WorkPtr ProcessGroupTDist::allgather(
   checkListLike(op, outputs[0], "tensor_list", input, "input");
   if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
       Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, input.device().type())
-        .allgather(outputs, inputs, opts);
+    return handOver(
+        op, OpType::ALLGATHER, inputs, outputs[0], opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.allgather(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::ALLGATHER, inputs, outputs[0], opts.asyncOp);
   execute(op, "all_gather", outputs[0], input);
@@ -1445,9 +1485,11 @@ WorkPtr ProcessGroupTDist::allgather_coalesced(
     }
   }
   if (route == Route::Fallback) {
-    count(op, Route::Fallback, inputs.size());
-    return fallbackFor(op, inputs.at(0).device().type())
-        .allgather_coalesced(outputLists, inputs, opts);
+    return handOver(
+        op, OpType::ALLGATHER_COALESCED, inputs, flatten(outputLists), opts, inputs.size(),
+        [&](c10d::Backend& b, const auto& o) {
+          return b.allgather_coalesced(outputLists, inputs, o);
+        });
   }
   auto work = startWork(
       op, OpType::ALLGATHER_COALESCED, inputs, flatten(outputLists), opts.asyncOp);
@@ -1471,9 +1513,11 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
           routeReduction(op, input, opts.reduceOp),
           input,
           input.nbytes()) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, input.device().type())
-        ._reduce_scatter_base(output, input, opts);
+    return handOver(
+        op, OpType::_REDUCE_SCATTER_BASE, {input}, {output}, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b._reduce_scatter_base(output, input, o);
+        });
   }
   auto work = startWork(op, OpType::_REDUCE_SCATTER_BASE, {input}, {output}, opts.asyncOp);
   executePlanned(
@@ -1504,9 +1548,11 @@ WorkPtr ProcessGroupTDist::reduce_scatter_tensor_coalesced(
     }
   }
   if (route == Route::Fallback) {
-    count(op, Route::Fallback, inputs.size());
-    return fallbackFor(op, inputs[0].device().type())
-        .reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    return handOver(
+        op, OpType::COALESCED, inputs, outputs, opts, inputs.size(),
+        [&](c10d::Backend& b, const auto& o) {
+          return b.reduce_scatter_tensor_coalesced(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::COALESCED, inputs, outputs, opts.asyncOp);
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -1536,9 +1582,11 @@ WorkPtr ProcessGroupTDist::reduce_scatter(
   checkGroupSize(op, inputs[0].size(), "input_list");
   checkListLike(op, inputs[0], "input_list", output, "output");
   if (routeReduction(op, output, opts.reduceOp) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, output.device().type())
-        .reduce_scatter(outputs, inputs, opts);
+    return handOver(
+        op, OpType::REDUCE_SCATTER, inputs[0], outputs, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.reduce_scatter(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::REDUCE_SCATTER, inputs[0], outputs, opts.asyncOp);
   execute(
@@ -1561,8 +1609,11 @@ WorkPtr ProcessGroupTDist::allreduce(
   checkDevice(op, t, "tensor");
   if (limitBySize(op, routeReduction(op, t, opts.reduceOp), t, t.nbytes()) ==
       Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, t.device().type()).allreduce(tensors, opts);
+    return handOver(
+        op, OpType::ALLREDUCE, tensors, tensors, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.allreduce(tensors, o);
+        });
   }
   auto work = startWork(op, OpType::ALLREDUCE, tensors, tensors, opts.asyncOp);
   executePlanned(
@@ -1589,9 +1640,11 @@ WorkPtr ProcessGroupTDist::allreduce_coalesced(
     }
   }
   if (route == Route::Fallback) {
-    count(op, Route::Fallback, tensors.size());
-    return fallbackFor(op, tensors[0].device().type())
-        .allreduce_coalesced(tensors, opts);
+    return handOver(
+        op, OpType::ALLREDUCE_COALESCED, tensors, tensors, opts, tensors.size(),
+        [&](c10d::Backend& b, const auto& o) {
+          return b.allreduce_coalesced(tensors, o);
+        });
   }
   auto work = startWork(op, OpType::ALLREDUCE_COALESCED, tensors, tensors, opts.asyncOp);
   for (const auto& t : tensors) {
@@ -1647,10 +1700,11 @@ WorkPtr ProcessGroupTDist::alltoall_base(
           input.nbytes(),
           inputSplitSizes.empty() && outputSplitSizes.empty()) ==
       Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, input.device().type())
-        .alltoall_base(
-            output, input, outputSplitSizes, inputSplitSizes, opts);
+    return handOver(
+        op, OpType::ALLTOALL_BASE, {input}, {output}, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, o);
+        });
   }
   auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output}, opts.asyncOp);
   if (inputSplitSizes.empty() && outputSplitSizes.empty()) {
@@ -1695,8 +1749,11 @@ WorkPtr ProcessGroupTDist::alltoall(
   }
   if (limitBySize(op, routeMovement(ref), ref, ref.nbytes(), false) ==
       Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, ref.device().type()).alltoall(outputs, inputs, opts);
+    return handOver(
+        op, OpType::ALLTOALL, inputs, outputs, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.alltoall(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::ALLTOALL, inputs, outputs, opts.asyncOp);
   execute(op, "all_to_all", outputs, inputs);
@@ -1716,8 +1773,11 @@ WorkPtr ProcessGroupTDist::broadcast(
   TORCH_CHECK_VALUE(
       opts.rootTensor == 0, prefix(op), "root tensor must be 0");
   if (limitBySize(op, routeMovement(t), t, t.nbytes()) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, t.device().type()).broadcast(tensors, opts);
+    return handOver(
+        op, OpType::BROADCAST, tensors, tensors, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.broadcast(tensors, o);
+        });
   }
   auto work = startWork(op, OpType::BROADCAST, tensors, tensors, opts.asyncOp);
   executePlanned(
@@ -1792,9 +1852,11 @@ WorkPtr ProcessGroupTDist::scatter(
   auto scatterList =
       rootList(op, inputs, opts.rootRank, "src", "scatter_list", output, "output");
   if (routeMovement(output) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, output.device().type())
-        .scatter(outputs, inputs, opts);
+    return handOver(
+        op, OpType::SCATTER, scatterList, outputs, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.scatter(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::SCATTER, scatterList, outputs, opts.asyncOp);
   execute(op, "scatter", output, scatterList, opts.rootRank);
@@ -1813,9 +1875,11 @@ WorkPtr ProcessGroupTDist::gather(
   auto gatherList =
       rootList(op, outputs, opts.rootRank, "dst", "gather_list", input, "input");
   if (routeMovement(input) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, input.device().type())
-        .gather(outputs, inputs, opts);
+    return handOver(
+        op, OpType::GATHER, inputs, gatherList, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.gather(outputs, inputs, o);
+        });
   }
   auto work = startWork(op, OpType::GATHER, inputs, gatherList, opts.asyncOp);
   execute(op, "gather", gatherList, input, opts.rootRank);
@@ -1833,8 +1897,11 @@ WorkPtr ProcessGroupTDist::reduce(
   TORCH_CHECK_VALUE(
       opts.rootTensor == 0, prefix(op), "root tensor must be 0");
   if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
-    count(op, Route::Fallback);
-    return fallbackFor(op, t.device().type()).reduce(tensors, opts);
+    return handOver(
+        op, OpType::REDUCE, tensors, tensors, opts, 1,
+        [&](c10d::Backend& b, const auto& o) {
+          return b.reduce(tensors, o);
+        });
   }
   auto work = startWork(op, OpType::REDUCE, tensors, tensors, opts.asyncOp);
   execute(

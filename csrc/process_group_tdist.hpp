@@ -398,7 +398,22 @@ class ProcessGroupTDist : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> finishWork(
       c10::intrusive_ptr<TDistWork> work,
       Op op,
-      size_t n = 1);
+      size_t n = 1,
+      Route route = Route::Tdist);
+  // A call that the fallback backend serves: `call(backend, opts)`. On GPUs it
+  // runs after the group's last call, as the group's own calls do: a
+  // synchronous one on the caller's stream; an async one made synchronous on
+  // the group's stream, where it becomes the group's last call and returns
+  // the group's Work (inputs and outputs kept as for a tdist call).
+  template <typename CallOptions, typename Call>
+  c10::intrusive_ptr<c10d::Work> handOver(
+      Op op,
+      c10d::OpType type,
+      const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs,
+      const CallOptions& opts,
+      size_t n,
+      Call call);
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;

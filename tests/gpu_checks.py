@@ -761,6 +761,46 @@ def fused_after_async(tg, rank, world, device, gen):
             _failures.append(f"{label}: the op did not take the overlapped way")
 
 
+def fallback_in_order(tg, rank, world, device, gen):
+    """Calls the group hands to NCCL (a 4 MB broadcast, over broadcast's GPU size limit) keep the
+    group's order with its own calls, as one NCCL group's calls would. An async tdist all_reduce
+    issued from a side stream that first sleeps, then the broadcast of the same tensor from the
+    caller's stream (no wait() between): every rank gets the sum (unordered: world x rank 0's
+    input). The broadcast async from the sleeping side stream, then a tdist all_reduce of the same
+    tensor on the caller's stream: world x rank 0's input (unordered: the sum). Whole numbers, so
+    that every order of summing gives the same floats."""
+    n = 1 << 20  # float32: 4 MB
+    side = torch.cuda.Stream(device)
+    handed = torch_tdist.stats(tg)["broadcast"]["fallback"]
+    for call in range(2):
+        x = torch.randint(-1000, 1000, (n,), device=device, generator=gen).float()
+        first = x.clone()
+        dist.broadcast(first, 0)  # (NCCL)
+        total = x.clone()
+        dist.all_reduce(total)
+        dist.barrier()
+        torch.cuda.synchronize()
+        y = x.clone()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # (about 10 ms)
+            work = dist.all_reduce(y, group=tg, async_op=True)
+        dist.broadcast(y, 0, group=tg)
+        work.wait()
+        torch.cuda.synchronize()
+        _check(f"async all_reduce, then a broadcast NCCL serves, call {call}", y, total)
+        z = x.clone()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+            work = dist.broadcast(z, 0, group=tg, async_op=True)
+        dist.all_reduce(z, group=tg)
+        work.wait()
+        torch.cuda.synchronize()
+        _check(f"async broadcast NCCL serves, then an all_reduce, call {call}", z, first * world)
+    handed = torch_tdist.stats(tg)["broadcast"]["fallback"] - handed
+    if handed != 4:
+        _failures.append(f"fallback_in_order: {handed} broadcasts handed to NCCL, expected 4")
+
+
 def pipelined_graphs(tg, rank, world, device, gen):
     """Pipelined ops replayed as CUDA graphs (Executor._run_program): the same tensors, refilled
     with fresh random data and the outputs poisoned before every call, so that calls from the
@@ -1078,7 +1118,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, pipelined_graphs, pipelined_back_to_back,
+          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 # Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).
