@@ -812,11 +812,22 @@ void ProcessGroupTDist::orderQueued(c10::DeviceIndex device) {
   waitForLastCall(stream, captureId(stream));
 }
 
-void ProcessGroupTDist::waitForLastCall(c10::Stream stream, uint64_t capture) const {
-  const auto& last = lastCall(capture);
-  if (last.end && last.capture == capture && *last.stream != stream) {
-    last.end->block(stream);
+void ProcessGroupTDist::waitForLastCall(c10::Stream stream, uint64_t capture) {
+  auto& last = capture != 0 ? lastCaptured_ : lastEager_;
+  if (!last.stream || last.capture != capture || *last.stream == stream) {
+    return;
   }
+  if (!last.end) { // (a synchronous fallback call: its end, and what followed it there)
+    if (captureId(*last.stream) != capture) {
+      return; // (its stream has since entered or left a capture: no event can join the two)
+    }
+    last.end = events_->record(*last.stream);
+  }
+  last.end->block(stream);
+}
+
+void ProcessGroupTDist::becomeLastCall(c10::Stream stream, uint64_t capture) {
+  (capture != 0 ? lastCaptured_ : lastEager_) = {stream, nullptr, capture};
 }
 
 void ProcessGroupTDist::becomeLastCall(const TDistWork& work) {
@@ -1243,7 +1254,7 @@ WorkPtr ProcessGroupTDist::finishWork(
   work->setSequenceNumber(++seq_);
   work->markDone();
   becomeLastCall(*work);
-  if (work->watchable()) {
+  if (work->watchable() && route == Route::Tdist) { // (NCCL's own watchdog watches what it serves)
     watch(work, opName(op));
   }
   // As NCCL's since torch 2.8: a call the caller waits for at once returns no
@@ -1272,12 +1283,13 @@ WorkPtr ProcessGroupTDist::handOver(
     return call(backend, opts);
   }
   if (!opts.asyncOp) {
-    // (no end event: in CUDA graphs its node between two NCCL kernels cost
-    // about 2 us a call)
     auto caller = currentStream(ref.device());
-    waitForLastCall(caller, captureId(caller));
+    uint64_t capture = captureId(caller);
+    waitForLastCall(caller, capture);
+    auto work = call(backend, opts);
     count(op, Route::Fallback, n);
-    return call(backend, opts);
+    becomeLastCall(caller, capture);
+    return work;
   }
   auto work = startWork(op, type, inputs, outputs, true);
   CallOptions onStream = opts;

@@ -763,15 +763,29 @@ def fused_after_async(tg, rank, world, device, gen):
 
 def fallback_in_order(tg, rank, world, device, gen):
     """Calls the group hands to NCCL (a 4 MB broadcast, over broadcast's GPU size limit) keep the
-    group's order with its own calls, as one NCCL group's calls would. An async tdist all_reduce
-    issued from a side stream that first sleeps, then the broadcast of the same tensor from the
-    caller's stream (no wait() between): every rank gets the sum (unordered: world x rank 0's
-    input). The broadcast async from the sleeping side stream, then a tdist all_reduce of the same
-    tensor on the caller's stream: world x rank 0's input (unordered: the sum). Whole numbers, so
-    that every order of summing gives the same floats."""
+    group's order with its own calls, whatever stream each comes from (no wait() or
+    synchronisation between them; the first call from a side stream that sleeps first):
+    an async tdist all_reduce, then the broadcast of the same tensor: every rank gets the sum
+    (unordered: world x rank 0's input); the broadcast async, then a tdist all_reduce of the
+    tensor: world x rank 0's input (unordered: the sum); the same with the broadcast synchronous on
+    the side stream. Whole numbers, so that every order of summing gives the same floats."""
     n = 1 << 20  # float32: 4 MB
+    fg = _tdist_group({"TDIST_ALGORITHM": "auto", "TDIST_GPU_SIZE_LIMITS": "1"})  # (whatever the run's)
     side = torch.cuda.Stream(device)
-    handed = torch_tdist.stats(tg)["broadcast"]["fallback"]
+    dist.broadcast(torch.zeros(n, device=device), 0, group=fg)  # (NCCL's communicator starts here)
+    torch.cuda.synchronize()
+    handed = torch_tdist.stats(fg)["broadcast"]["fallback"]
+    served = torch_tdist.stats(fg)["all_reduce"]["tdist"]
+
+    def in_turn(first_async, first, then):
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # (about 10 ms)
+            work = first(async_op=first_async)
+        then()
+        if work is not None:
+            work.wait()
+        torch.cuda.synchronize()
+
     for call in range(2):
         x = torch.randint(-1000, 1000, (n,), device=device, generator=gen).float()
         first = x.clone()
@@ -781,24 +795,18 @@ def fallback_in_order(tg, rank, world, device, gen):
         dist.barrier()
         torch.cuda.synchronize()
         y = x.clone()
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(20_000_000)  # (about 10 ms)
-            work = dist.all_reduce(y, group=tg, async_op=True)
-        dist.broadcast(y, 0, group=tg)
-        work.wait()
-        torch.cuda.synchronize()
+        in_turn(True, lambda **kw: dist.all_reduce(y, group=fg, **kw), lambda: dist.broadcast(y, 0, group=fg))
         _check(f"async all_reduce, then a broadcast NCCL serves, call {call}", y, total)
-        z = x.clone()
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(20_000_000)
-            work = dist.broadcast(z, 0, group=tg, async_op=True)
-        dist.all_reduce(z, group=tg)
-        work.wait()
-        torch.cuda.synchronize()
-        _check(f"async broadcast NCCL serves, then an all_reduce, call {call}", z, first * world)
-    handed = torch_tdist.stats(tg)["broadcast"]["fallback"] - handed
-    if handed != 4:
-        _failures.append(f"fallback_in_order: {handed} broadcasts handed to NCCL, expected 4")
+        for first_async in (True, False):
+            z = x.clone()
+            in_turn(first_async, lambda **kw: dist.broadcast(z, 0, group=fg, **kw), lambda: dist.all_reduce(z, group=fg))
+            how = "async" if first_async else "synchronous (on a side stream)"
+            _check(f"{how} broadcast NCCL serves, then an all_reduce, call {call}", z, first * world)
+    handed = torch_tdist.stats(fg)["broadcast"]["fallback"] - handed
+    served = torch_tdist.stats(fg)["all_reduce"]["tdist"] - served
+    if (handed, served) != (6, 6):
+        _failures.append(f"fallback_in_order: {handed} broadcasts handed to NCCL and {served} all_reduces "
+                         "served by tdist, expected 6 and 6")
 
 
 def pipelined_graphs(tg, rank, world, device, gen):
