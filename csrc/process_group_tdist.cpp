@@ -702,6 +702,9 @@ std::string ProcessGroupTDist::abortOverrun(
     std::abort();
   }
   abortWith(head, /*final=*/false);
+  for (auto& entry : fallbacks_) { // (the overrun call may be theirs: handOver)
+    entry.second->abort();
+  }
   std::vector<int> late = latePeers();
   std::string reason = head;
   if (late.empty()) {
@@ -817,17 +820,18 @@ void ProcessGroupTDist::waitForLastCall(c10::Stream stream, uint64_t capture) {
   if (!last.stream || last.capture != capture || *last.stream == stream) {
     return;
   }
-  if (!last.end) { // (a synchronous fallback call: its end, and what followed it there)
-    if (captureId(*last.stream) != capture) {
-      return; // (its stream has since entered or left a capture: no event can join the two)
-    }
+  if (!last.end) { // (a synchronous fallback call in a capture: its end, and what followed it there)
     last.end = events_->record(*last.stream);
   }
   last.end->block(stream);
 }
 
 void ProcessGroupTDist::becomeLastCall(c10::Stream stream, uint64_t capture) {
-  (capture != 0 ? lastCaptured_ : lastEager_) = {stream, nullptr, capture};
+  if (capture != 0) {
+    lastCaptured_ = {stream, nullptr, capture};
+  } else {
+    lastEager_ = {stream, events_->record(stream), 0};
+  }
 }
 
 void ProcessGroupTDist::becomeLastCall(const TDistWork& work) {
@@ -1254,7 +1258,7 @@ WorkPtr ProcessGroupTDist::finishWork(
   work->setSequenceNumber(++seq_);
   work->markDone();
   becomeLastCall(*work);
-  if (work->watchable() && route == Route::Tdist) { // (NCCL's own watchdog watches what it serves)
+  if (work->watchable()) { // (also what it keeps alive: see TDistWork)
     watch(work, opName(op));
   }
   // As NCCL's since torch 2.8: a call the caller waits for at once returns no

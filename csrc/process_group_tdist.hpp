@@ -434,9 +434,10 @@ class ProcessGroupTDist : public c10d::Backend {
   // stream first waits for it. One for calls outside CUDA graph captures, one
   // for calls inside (an event recorded in a capture can be waited on only in
   // the same capture). A synchronous call handed to the fallback backend
-  // records no end (in CUDA graphs its node between two NCCL kernels cost
-  // about 2 us a call): `end` stays null until a call from another stream
-  // needs it, which records it on `stream` then.
+  // inside a capture records no end (in CUDA graphs its node between two NCCL
+  // kernels cost about 2 us a call): `end` stays null until a call from
+  // another stream needs it, which records it on `stream` then (after the
+  // call and whatever followed it there).
   struct LastCall {
     std::optional<c10::Stream> stream;
     std::shared_ptr<c10::Event> end;
