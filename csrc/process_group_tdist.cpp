@@ -702,9 +702,6 @@ std::string ProcessGroupTDist::abortOverrun(
     std::abort();
   }
   abortWith(head, /*final=*/false);
-  for (auto& entry : fallbacks_) { // (the overrun call may be theirs: handOver)
-    entry.second->abort();
-  }
   std::vector<int> late = latePeers();
   std::string reason = head;
   if (late.empty()) {
@@ -726,6 +723,9 @@ std::string ProcessGroupTDist::abortOverrun(
   // ended with what they had; a caller hears of it only from their Work objects, or from this
   // group's next call, which raises.
   LOG(ERROR) << reason << "; the outputs of the calls that had not finished are not valid";
+  for (auto& entry : fallbacks_) { // (the overrun call may be theirs: handOver)
+    entry.second->abort();
+  }
   return reason;
 }
 
