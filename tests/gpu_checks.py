@@ -728,6 +728,20 @@ def fused_ops(tg, rank, world, device, gen):
         print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
 
 
+def _in_turn(side, first, then):
+    """``first()`` on the stream ``side`` after about 10 ms of GPU sleep there, then ``then()`` on
+    the caller's stream at once, no synchronisation between them; waits for ``first``'s Work (if
+    it returns one) and the device; returns what ``then`` returned."""
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        work = first()
+    result = then()
+    if work is not None:
+        work.wait()
+    torch.cuda.synchronize()
+    return result
+
+
 def fused_after_async(tg, rank, world, device, gen):
     """An overlapped op issued while an async collective of its group is still running (no
     wait() between them) runs after it, as a second collective of the group would (one stream
@@ -749,12 +763,8 @@ def fused_after_async(tg, rank, world, device, gen):
             dist.all_gather_into_tensor(a_full, summed.view(m, k).float())
             dist.barrier()
             torch.cuda.synchronize()
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(20_000_000)  # (about 10 ms)
-                work = dist.all_reduce(x, group=og, async_op=True)
-            out = torch_tdist.ops.all_gather_matmul(x.view(m, k), b, group=og)
-            work.wait()
-            torch.cuda.synchronize()
+            out = _in_turn(side, lambda: dist.all_reduce(x, group=og, async_op=True),
+                           lambda: torch_tdist.ops.all_gather_matmul(x.view(m, k), b, group=og))
             _check(f"{label} async all_reduce, call {call}", x, summed)
             _relative(f"{label} all_gather_matmul of the all_reduce's tensor, call {call}", out, a_full @ b.float())
         if torch_tdist.get_executor(og).fused_calls["all_gather_matmul"] != 2:
@@ -776,16 +786,6 @@ def fallback_in_order(tg, rank, world, device, gen):
     torch.cuda.synchronize()
     handed = torch_tdist.stats(fg)["broadcast"]["fallback"]
     served = torch_tdist.stats(fg)["all_reduce"]["tdist"]
-
-    def in_turn(first_async, first, then):
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(20_000_000)  # (about 10 ms)
-            work = first(async_op=first_async)
-        then()
-        if work is not None:
-            work.wait()
-        torch.cuda.synchronize()
-
     for call in range(2):
         x = torch.randint(-1000, 1000, (n,), device=device, generator=gen).float()
         first = x.clone()
@@ -795,11 +795,12 @@ def fallback_in_order(tg, rank, world, device, gen):
         dist.barrier()
         torch.cuda.synchronize()
         y = x.clone()
-        in_turn(True, lambda **kw: dist.all_reduce(y, group=fg, **kw), lambda: dist.broadcast(y, 0, group=fg))
+        _in_turn(side, lambda: dist.all_reduce(y, group=fg, async_op=True), lambda: dist.broadcast(y, 0, group=fg))
         _check(f"async all_reduce, then a broadcast NCCL serves, call {call}", y, total)
         for first_async in (True, False):
             z = x.clone()
-            in_turn(first_async, lambda **kw: dist.broadcast(z, 0, group=fg, **kw), lambda: dist.all_reduce(z, group=fg))
+            _in_turn(side, lambda: dist.broadcast(z, 0, group=fg, async_op=first_async),
+                     lambda: dist.all_reduce(z, group=fg))
             how = "async" if first_async else "synchronous (on a side stream)"
             _check(f"{how} broadcast NCCL serves, then an all_reduce, call {call}", z, first * world)
     handed = torch_tdist.stats(fg)["broadcast"]["fallback"] - handed
