@@ -7,8 +7,10 @@ tensors. Each (op, size) is timed with CUDA events around ``--iters`` calls issu
 (median of 5 such loops, after ``--warmup``; the median of ``--rounds`` rounds, tdist and
 NCCL in turn in each, so that a slow moment of the host hits both), and also one call at a time
 after a barrier.
-Rank 0 writes ``collectives_<machine>.json`` (and prints a table of ratios).
-TDIST_GPU_SIZE_LIMITS=0 makes tdist's kernels serve every size (to measure them).
+Rank 0 writes ``<name>_<machine>.json`` (``--name``, ``collectives`` by default; the MoE sweep
+``--ops all_to_all_moe --moe-tokens 1,4,...,4096 --graph --name collectives_moe``) and prints a
+table of ratios. ``--every-size`` makes tdist's kernels serve every size, including those that
+tdist otherwise hands to NCCL (the backend option ``gpu_size_limits``), to measure them.
 """
 
 import argparse
@@ -181,12 +183,16 @@ def main():
                         help="also time the calls captured in a CUDA graph (tdist_graph_us, nccl_graph_us)")
     parser.add_argument("--async-op", action="store_true",
                         help="call with async_op=True, then wait() (as code that overlaps calls does)")
+    parser.add_argument("--every-size", action="store_true",
+                        help="tdist's kernels serve every size (backend option gpu_size_limits=False)")
+    parser.add_argument("--name", default="collectives", help="the result file is <name>_<machine>.json")
     args = parser.parse_args()
     global _async_op
     _async_op = args.async_op
 
     rank, world, device = start_job()
-    tdist_group = dist.new_group(backend="tdist")
+    tdist_group = dist.new_group(backend="tdist",
+                                 pg_options={"gpu_size_limits": False} if args.every_size else None)
     global _cpu_group
     _cpu_group = dist.new_group(backend="gloo")
     overhead = _host_overhead_us({"tdist": tdist_group, "nccl": None}, device)
@@ -236,7 +242,7 @@ def main():
                        f"({r['nccl_graph_us'] / r['tdist_graph_us']:4.2f}x)" if args.graph else ""), flush=True)
     if rank == 0:
         algorithm = os.environ.get("TDIST_ALGORITHM", "auto")
-        write_result(args.out, "collectives", world,
+        write_result(args.out, args.name, world,
                      f"bf16, slowest rank. tdist_us/nccl_us (and the bus bandwidths): {args.iters} calls "
                      f"back to back per timed loop (CUDA events), median of 5 loops, after {args.warmup} "
                      f"warm-ups (nccl-tests' way); the median of {args.rounds} rounds, tdist and NCCL in "
@@ -245,7 +251,7 @@ def main():
                      (f". *_graph_us: {args.iters} calls captured in one CUDA graph, per call of a replay "
                       f"issued right behind another (which lines the ranks up; median of 5, median round)" if args.graph else ""), rows,
                      algorithm=algorithm,
-                     size_limits=os.environ.get("TDIST_GPU_SIZE_LIMITS", "1") != "0" and algorithm == "auto",
+                     size_limits=not args.every_size and algorithm == "auto",
                      heap_size=os.environ.get("TDIST_HEAP_SIZE", "the default"),
                      tdist_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("TDIST_")},
                      host_overhead_us=overhead, async_op=args.async_op)

@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# One device call: build the extension against the GPU image's torch, check every collective on
+# On a GPU machine: build the extension against the machine's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
-# Logs and the JSON land in $OUT (the device tool's folder) or benchmarks/results.
-#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|probe|overlap|order|host|reduce|beside|titan|soak|moe|badinput|all]...
-# (several in one call run in this script's order; all: demo, test, bench, moe)
+# Logs and the JSON land in $OUT (if set) or benchmarks/results.
+#   bash benchmarks/device_run.sh [demo|test|checks|bench|sweep|overlap|host|titan|soak|moe|badinput|all]...
+# (several in one invocation run in this script's order and share one build; all: demo, test, bench, moe)
 # checks: tests/gpu_checks.py on $NPROC ranks with ${CHECK_ARGS} (e.g. "--quick --only every_op").
-# probe: benchmarks/sentinel_probe.py (PROBE_* variables), once per variant in PROBE_VARIANTS
-#   ("A=1 B=2;A=0": ';' between variants, each some environment assignments).
 # badinput: the CUDA bad-input matrix on 2 GPUs, printing the native stack if a rank crashes.
+# bench: benchmarks/collectives.py with ${BENCH_ARGS} (python benchmarks/plot.py <json> draws its plot).
+# sweep: one bench run per value of an environment variable (an A/B in one job).
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
-# host: benchmarks/host_probe.py (host time per call, layer by layer; pipelined overlapped ops).
-# reduce: benchmarks/reduce_probe.py (the bulk reduce kernel's grid, blocks and warps, on one GPU).
-# beside: benchmarks/beside_probe.py (when a kernel launched beside a running matmul starts, one GPU).
-# order: benchmarks/order_probe.py (an overlap variant's time after each predecessor, with clocks).
+# host: benchmarks/host_time.py (host time per call, layer by layer; pipelined overlapped ops).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
-#   (carried to the device, which has no internet: README, "torchtitan"), e.g.
+#   (carried to a machine without internet: README, "torchtitan"), e.g.
 #   NPROC=4 BENCH_ARGS="--repeat 2" bash benchmarks/device_run.sh titan
 # (benchmarks/timeline.py shows what one call of an op does on the GPU, stream by stream.)
 set -u -o pipefail
@@ -35,18 +32,10 @@ if wants demo; then
   timeout 300 python3 -m torch_tdist.demo --nproc "$nproc" 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if wants test; then
-  # TEST_K (a pytest -k expression) splits the runs across device calls (each call gets at most
-  # 600 s), e.g. TEST_K="4-cuda or bad_input"
+  # TEST_K (a pytest -k expression) runs some of them (to split a long run into shorter ones),
+  # e.g. TEST_K="4-cuda or bad_input"
   TDIST_CHECK_TIMEOUT=${TDIST_CHECK_TIMEOUT:-150} timeout 900 python3 -m pytest tests/test_build.py tests/test_gpu.py \
     -q -s -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-fi
-if wants probe; then
-  IFS=';' read -ra variants <<< "${PROBE_VARIANTS:-TDIST_ALGORITHM=sentinel}"
-  for variant in "${variants[@]}"; do
-    echo "== $variant" | tee -a "$OUT/probe.log"
-    env $variant timeout ${PROBE_RUN_TIMEOUT:-200} python3 -m torch.distributed.run \
-      --standalone --nproc-per-node "$nproc" benchmarks/sentinel_probe.py 2>&1 | tee -a "$OUT/probe.log" || rc=1
-  done
 fi
 if wants checks; then
   TDIST_TRANSPORT=${TDIST_TRANSPORT:-cuda} timeout ${CHECK_TIMEOUT:-400} python3 -m torch.distributed.run --standalone \
@@ -70,8 +59,8 @@ if wants bench; then
     benchmarks/collectives.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 if wants sweep; then
-  # one benchmark run per value of an environment variable, in one device call (an A/B), e.g.
-  # SWEEP_VAR=TDIST_STREAMED_MIN_BLOCK_BYTES SWEEP="16384 4096 2048" \
+  # one benchmark run per value of an environment variable, in one job (an A/B), e.g.
+  # SWEEP_VAR=TDIST_ALGORITHM SWEEP="auto oneshot twoshot" \
   #   BENCH_ARGS="--ops all_reduce --sizes 256K,1M,4M --graph" bash benchmarks/device_run.sh sweep
   for value in ${SWEEP:?}; do
     echo "== ${SWEEP_VAR:?}=$value" | tee -a "$OUT/bench.log"
@@ -84,19 +73,9 @@ if wants overlap; then
   TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/overlap.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/overlap.log" || rc=1
 fi
-if wants order; then
-  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-4G} timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    benchmarks/order_probe.py --out "$OUT" ${ORDER_ARGS:-} 2>&1 | tee "$OUT/order_probe.log" || rc=1
-fi
 if wants host; then
   TDIST_OVERLAP=pipelined timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    benchmarks/host_probe.py 2>&1 | tee "$OUT/host_probe.log" || rc=1
-fi
-if wants reduce; then
-  timeout 300 python3 benchmarks/reduce_probe.py --out "$OUT" ${REDUCE_ARGS:-} 2>&1 | tee "$OUT/reduce_probe.log" || rc=1
-fi
-if wants beside; then
-  timeout 200 python3 benchmarks/beside_probe.py --out "$OUT" 2>&1 | tee "$OUT/beside_probe.log" || rc=1
+    benchmarks/host_time.py 2>&1 | tee "$OUT/host_time.log" || rc=1
 fi
 if wants titan; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan_site .whl/*.whl || rc=1

@@ -14,12 +14,12 @@ collective alone.
 Timing. Each variant is timed with CUDA events around ``--iters`` calls back to back (the slowest
 rank's), after ``--warmup`` calls. 40 calls, because the first call's host time (before the GPU
 has work) counts once per loop: at 10 calls it added 15-30 us to each call of tdist's pipelined
-ways (150-300 us of host time a call on the device's host, against 3-10 us for NCCL + matmul).
+ways (150-300 us of host time a call on the H200 machines' hosts, against 3-10 us for NCCL + matmul).
 
 Each timed loop comes right after ``--preheat-ms`` of the same variant's calls. These H200s hold
 their 700 W power limit by lowering the SM clock (1980 MHz idle, about 1450 MHz after some 150 ms
 of a large matmul), so a short loop's time follows whatever ran before it: 1412 to 1791 us for
-one ag_gemm shape by its predecessor (benchmarks/order_probe.py). Pre-heated, every variant is
+one ag_gemm shape by its predecessor. Pre-heated, every variant is
 timed in its own sustained state, as in training.
 
 ``--rounds`` rounds time every variant in turn (one loop each), so that a slow moment of the

@@ -2,12 +2,10 @@
 
     python benchmarks/plot.py benchmarks/results/collectives_<machine>.json   # bus bandwidth
     python benchmarks/plot.py benchmarks/results/overlap_<machine>.json       # speedup bars
-    python benchmarks/plot.py benchmarks/results/order_probe_<machine>-series.json  # time per call
 
 collectives: bus bandwidth against message size, tdist and NCCL, one panel per op. overlap:
 tdist's speedup over the sequential path and over torch's symm_mem fused op, per shape, one panel
-per op (bars above 1.0: tdist is faster). order_probe --series: each variant's time per call
-through a sustained run, one panel per op and shape (where the power limit lowers the clock).
+per op (bars above 1.0: tdist is faster).
 """
 
 import json
@@ -42,23 +40,11 @@ def _speedups(ax, op, rows):
     ax.set_title(f"{op} (tdist speedup)")
 
 
-def _series(ax, panel, rows):
-    for r in rows:
-        block_ms = [us * r["block_calls"] / 1e3 for us in r["series_us"]]
-        ends = [sum(block_ms[:i + 1]) for i in range(len(block_ms))]
-        ax.plot(ends, r["series_us"], label=r["variant"])
-    ax.set_title(panel)
-    ax.set_xlabel("ms since the run started (after an idle half second)")
-    ax.set_ylabel("us per call")
-
-
 def main(path):
     result = json.load(open(path))
     rows = result["rows"]
     if os.path.basename(path).startswith("overlap"):
         draw, width, panel = _speedups, 7, lambda r: r["op"]
-    elif rows and "series_us" in rows[0]:
-        draw, width, panel = _series, 5, lambda r: f"{r['op']} {r['shape']}"
     else:
         draw, width, panel = _bandwidth, 4, lambda r: r["op"]
     by_op = defaultdict(list)

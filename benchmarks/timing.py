@@ -1,6 +1,7 @@
 """What the benchmark scripts share: GPU timing loops, the slowest rank's figure, and the machine
 and versions every results file records. Importing it sets the NVLink-multicast safety
-variables (``torch_tdist.launch.SAFE_ENV``) before any process group starts."""
+variables (``torch_tdist.launch.SAFE_ENV``, where the environment does not set them already)
+before any process group starts."""
 
 import json
 import os
@@ -13,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 import torch_tdist
-from torch_tdist.launch import SAFE_ENV  # noqa: F401  (importing it sets the NVLink-multicast safety variables)
+from torch_tdist.launch import SAFE_ENV
+
+for _key, _value in SAFE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def start_job():

@@ -149,7 +149,7 @@ def bench(args):
                          f"bf16, compiled, {args.steps} steps logged every {BENCH_LOG_FREQ}; tokens/s of the TP group "
                          f"= seq / step time, the median over the log windows after step {WARMUP} (torchtitan's tps: "
                          f"a window's tokens over its time) of {args.repeat} run(s) per configuration, the "
-                         f"configurations taken round robin in one device call"))
+                         f"configurations taken round robin in one job"))
 
 
 def loss(args):

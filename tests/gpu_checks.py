@@ -1159,7 +1159,7 @@ def main():
             continue
         before, start = len(_failures), time.perf_counter()
         # A check that hangs (a kernel waiting for a flag that never comes) prints every thread's
-        # stack and ends the run, rather than using up the device call's time.
+        # stack and ends the run, rather than using up the whole run's time limit.
         faulthandler.dump_traceback_later(CHECK_TIMEOUT_S, exit=True)
         check(tg, rank, world, device, gen)
         torch.cuda.synchronize()

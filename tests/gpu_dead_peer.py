@@ -59,7 +59,7 @@ CASES = {
     "matmul_reduce_scatter, fused": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "fused"}),
     "matmul_reduce_scatter, pipelined": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "pipelined"}),
 }
-if os.environ.get("TDIST_DEAD_CASES"):  # "|"-separated names: some of the cases (a shorter device call)
+if os.environ.get("TDIST_DEAD_CASES"):  # "|"-separated names: some of the cases (a shorter run)
     CASES = {name: case for name, case in CASES.items() if name in os.environ["TDIST_DEAD_CASES"].split("|")}
 K = N = 512  # the overlapped ops' matrices: A [rows, K] @ B [K, N]
 DESTROY_S = 60  # a survivor's groups must be destroyed within this

@@ -1,11 +1,11 @@
-"""Host microseconds per call of the layers of one torch_tdist.ops.matmul_reduce_scatter (pipelined,
-replayed from a CUDA graph) and of one 4 KB all_reduce (tdist's and NCCL's), outermost first, and
-of a few single calls for scale; each rank prints its own. Where the host time of a call nears
-its GPU time, the op is host-bound.
+"""Host microseconds per call of one torch_tdist.ops.matmul_reduce_scatter (pipelined, replayed
+from a CUDA graph; through autograd and without) and of the layers of one 4 KB all_reduce
+(tdist's and NCCL's), outermost first, with one small torch op for scale; each rank prints its
+own. Where the host time of a call nears its GPU time, the call is host-bound.
 
-    TDIST_OVERLAP=pipelined torchrun --nproc-per-node 2 benchmarks/host_probe.py
+    TDIST_OVERLAP=pipelined torchrun --nproc-per-node 2 benchmarks/host_time.py
 
-(benchmarks/results/timeline_gemm_rs_NVIDIA_H200-x4.log has a run's figures.)
+(benchmarks/results/host_time_NVIDIA_H200-x4.log has a run's figures.)
 """
 import statistics
 import time
@@ -15,8 +15,6 @@ import torch.distributed as dist
 
 import torch_tdist
 from timing import start_job  # (importing it sets the NVLink-multicast safety variables)
-from torch_tdist import ops
-from torch_tdist.backend import _tdist_backend
 
 
 def per_call(fn, n: int) -> float:
@@ -68,24 +66,11 @@ def main():
         op()
     torch.cuda.synchronize()
     dist.barrier()
-    name = ops._group_name(group)
-    executor = torch_tdist.get_executor(group)
-    out = a.new_empty((a.shape[0] // world, b.shape[1]))
     rows = {"whole call": per_call(op, 200)}
     with torch.inference_mode():
         rows["no autograd (inference_mode)"] = per_call(op, 200)
-    rows["the op's body, not dispatched"] = per_call(
-        lambda: ops._matmul_reduce_scatter._init_fn(a, b, name, 0, "sum"), 200)
-    rows["executor.matmul_reduce_scatter_pipelined"] = per_call(
-        lambda: executor.matmul_reduce_scatter_pipelined(a, b, out, "sum", 2), 200)
-    graph = next(iter(executor._program_graphs.values()))  # (the same on every rank)
-    rows["its CUDA graph's replay"] = per_call(graph.replay, 200)
-    backend = _tdist_backend(group)
-    rows["check_open"] = per_call(lambda: backend.check_open("matmul_reduce_scatter"), 2000)
-    rows["watch_queued"] = per_call(lambda: backend.watch_queued("matmul_reduce_scatter", device.index), 2000)
-    rows["torch.cuda.current_stream()"] = per_call(torch.cuda.current_stream, 2000)
-    print(rank, "matmul_reduce_scatter", rows, flush=True)
-    print(rank, "all_reduce", all_reduce_layers(group, device), flush=True)
+    print(f"{rank} matmul_reduce_scatter {rows}", flush=True)  # (one write a line: ranks' lines stay whole)
+    print(f"{rank} all_reduce {all_reduce_layers(group, device)}", flush=True)
     dist.destroy_process_group()
 
 
