@@ -5,9 +5,22 @@ against it):
 
     pip install --no-build-isolation -e .
 
-The C++ backend (csrc/*.cpp) is always built. Sources under csrc/cuda/ are
-added, as a CUDAExtension, only when torch has CUDA and a CUDA toolkit is
-found (CUDA_HOME); set TDIST_NO_CUDA=1 to build the CPU part only.
+The C++ backend (csrc/*.cpp) is always built, as a CppExtension against torch.
+
+On GPU machines add the extra for torch's CUDA version, which brings the packages
+the CUDA transports load at run time: cuda-python (``cuda.bindings``: CUDA IPC,
+host-page mapping, stream calls) and NVSHMEM's host library and device bitcode
+(the ``nvidia-nvshmem`` wheel, the one torch's own symmetric memory loads):
+
+    pip install --no-build-isolation -e ".[cuda]"     # CUDA 13 (torch 2.11+ cu13 wheels)
+    pip install --no-build-isolation -e ".[cuda12]"   # CUDA 12 (torch's cu12x wheels)
+
+Two extras rather than an environment marker: no marker can see which CUDA a
+torch wheel was built for, and the NVSHMEM wheel is named after it (-cu13 or
+-cu12). The bounds accept the versions torch pins (NVSHMEM 3.x, whose host
+library tdist loads as libnvshmem_host.so.3). CPU machines need neither: a group
+whose transport lacks its package raises at init_process_group / new_group,
+naming the extra to install.
 """
 
 import glob
@@ -16,14 +29,12 @@ import subprocess
 
 from setuptools import setup
 
-import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # No -std flag: torch's BuildExtension adds the standard its headers need
 # (C++17 for older torch, C++20 from torch 2.10). The sources are C++17.
 CXX_FLAGS = ["-O2"]
-NVCC_FLAGS = ["-O2"]
 
 
 def _libstdcxx_link_args():
@@ -59,33 +70,17 @@ def _sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
-def _want_cuda():
-    if os.environ.get("TDIST_NO_CUDA", "0") == "1":
-        return False
-    return (
-        torch.version.cuda is not None
-        and cpp_extension.CUDA_HOME is not None
-        and bool(_sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp"))
-    )
-
-
 def _extension():
-    sources = _sources("csrc/*.cpp")
-    if _want_cuda():
-        sources += _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu")
-        return cpp_extension.CUDAExtension(
-            "torch_tdist._C",
-            sources,
-            define_macros=[("TDIST_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
-            extra_link_args=_libstdcxx_link_args(),
-        )
     return cpp_extension.CppExtension(
         "torch_tdist._C",
-        sources,
+        _sources("csrc/*.cpp"),
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=_libstdcxx_link_args(),
     )
+
+
+# NVSHMEM ships Linux wheels only.
+_NVSHMEM = 'nvidia-nvshmem-{}>=3.3,<4; sys_platform == "linux"'
 
 
 setup(
@@ -93,11 +88,15 @@ setup(
     version="0.1.0",
     description="A PyTorch distributed backend whose collectives are Triton kernels over a symmetric heap",
     python_requires=">=3.10",
-    packages=["torch_tdist", "torch_tdist.examples", "torch_tdist.triton_kernels"],
+    packages=["torch_tdist", "torch_tdist.examples", "torch_tdist.transports", "torch_tdist.triton_kernels"],
     package_dir={"torch_tdist.triton_kernels": "triton_kernels"},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "cuda": ["cuda-python>=13,<14", _NVSHMEM.format("cu13")],
+        "cuda12": ["cuda-python>=12.6.2,<13", _NVSHMEM.format("cu12")],
+    },
     zip_safe=False,
 )

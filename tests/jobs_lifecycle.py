@@ -7,10 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-def _tdist_mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/tdist-" in line)
+from torch_tdist.transports.shm import mapped_segments
 
 
 def _rss_mb() -> float:
@@ -21,7 +18,7 @@ def _rss_mb() -> float:
 def subgroup_cycles(rank, ws, cycles, seed):
     """Create a tdist subgroup, use it, destroy it, ``cycles`` times; report what stayed."""
     xs = [torch.randn(4096, generator=torch.Generator().manual_seed(seed + r)) for r in range(ws)]
-    start_maps, start_rss = _tdist_mappings(), _rss_mb()
+    start_maps, start_rss = mapped_segments(), _rss_mb()
     for i in range(cycles):
         group = dist.new_group(list(range(ws)), backend="tdist")
         x = xs[rank].clone()
@@ -30,7 +27,7 @@ def subgroup_cycles(rank, ws, cycles, seed):
         dist.destroy_process_group(group)
         if i == 9:
             warm_rss = _rss_mb()  # allocator pools and caches have settled by now
-    return {"maps": _tdist_mappings() - start_maps, "rss_growth_mb": _rss_mb() - warm_rss,
+    return {"maps": mapped_segments() - start_maps, "rss_growth_mb": _rss_mb() - warm_rss,
             "start_rss_mb": start_rss}
 
 

@@ -38,9 +38,9 @@ def test_nvshmem_missing_library_is_a_clear_error():
 
 
 def test_nvshmem_transport_rejects_cpu_tensors():
-    from torch_tdist.heap import resolve_transport
+    from torch_tdist.transports import resolve
 
     with pytest.raises(ValueError, match="cannot serve cpu tensors"):
-        resolve_transport("nvshmem", torch.device("cpu"))
-    assert resolve_transport("auto", torch.device("cuda", 0), spans_nodes=True) == "nvshmem"
-    assert resolve_transport("auto", torch.device("cuda", 0)) == "cuda"
+        resolve("nvshmem", "cpu")
+    assert resolve("auto", "cuda", spans_nodes=True) == "nvshmem"
+    assert resolve("auto", "cuda") == "cuda"

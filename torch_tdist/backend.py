@@ -55,8 +55,23 @@ def _make_executor(store, rank: int, size: int, timeout: timedelta, options):
     if factory is None:
         from .collectives import Executor as factory
     if options is None:
-        return factory(store, rank, size, timeout)
-    return factory(store, rank, size, timeout, options=options)
+        executor = factory(store, rank, size, timeout)
+    else:
+        executor = factory(store, rank, size, timeout, options=options)
+    _check_transport(executor)
+    return executor
+
+
+def _check_transport(executor):
+    """Raise now, at init_process_group / new_group, when the transport the group's heap will
+    use (created at its first collective) cannot start on a device the group serves."""
+    from . import transports
+
+    transport = getattr(executor, "transport", None)
+    if transport is None:  # (an executor of set_executor_factory's without a heap)
+        return
+    for device_type in getattr(executor, "served_devices", []):
+        transports.check_available(transport, device_type, getattr(executor, "heap_bytes", None))
 
 
 def _make_fallbacks(dist_opts, devices: list[str]) -> dict[str, dist.Backend]:

@@ -21,7 +21,6 @@ as NVSHMEM's ``*_block`` calls require.
 
 import ctypes
 import operator
-import os
 
 import torch
 import triton
@@ -43,19 +42,9 @@ NVSHMEM_CMP_GE = tl.constexpr(5)
 def device_library(arch: int = 90) -> str:
     """Path of NVSHMEM's device bitcode (the nvidia-nvshmem wheel's): the one built for
     ``arch`` (compute capability as 90) where the wheel ships one per architecture."""
-    try:
-        import nvidia.nvshmem as wheel
+    from .transports import nvshmem
 
-        for root in wheel.__path__:
-            for name in (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc"):
-                found = os.path.join(root, "lib", name)
-                if os.path.exists(found):
-                    return found
-    except ImportError:
-        pass
-    raise RuntimeError(
-        "tdist: kernels with NVSHMEM calls need libnvshmem_device.bc from the "
-        "nvidia-nvshmem-cu12/cu13 wheel (pip install nvidia-nvshmem-cu13)")
+    return nvshmem.device_library(arch)
 
 
 if language.INTERPRET:

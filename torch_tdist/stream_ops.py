@@ -2,7 +2,8 @@
 rank's heap or a peer's) once the stream's earlier work is done, copies, zeroing, and one
 stream ordered after another.
 
-On GPUs these are CUDA driver calls (``cuStreamWriteValue64`` with its memory barrier,
+On GPUs these are the device's driver calls, from its transports' ``StreamOps``
+(``torch_tdist.transports``; on CUDA ``cuStreamWriteValue64`` with its memory barrier,
 ``cuMemcpyAsync``, events), a few microseconds of host time each, and CUDA graphs capture them.
 On the CPU the same interface works where the stream is the calling thread: stores and torch
 copies. Waits are not here: a stream held by ``cuStreamWaitValue64`` could not give up when a
@@ -21,6 +22,8 @@ import ctypes
 
 import torch
 
+from . import transports
+
 
 class Streams:
     """One rank's streams for a bulk call: index 0 is the caller's current stream, the others
@@ -28,8 +31,9 @@ class Streams:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._side = []  # (torch stream, CUstream, CUevent)
+        self._side = []  # (torch stream, the driver's stream, its event)
         self._main_event = None
+        self._ops = None  # the device's StreamOps (on the first call, not on the CPU)
         self.recording = None
 
     @property
@@ -40,15 +44,17 @@ class Streams:
         """Start a call on the current stream that may use ``sides`` side streams."""
         if self.on_cpu:
             return
-        cu = _driver()
-        self._main = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        if self._ops is None:
+            self._ops = transports.stream_ops(self.device.type)
+        ops = self._ops
+        self._main = ops.stream(torch.cuda.current_stream(self.device))
         while len(self._side) < sides:
             # high priority, like the group's stream
             stream = torch.cuda.Stream(self.device, priority=-1)
-            event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            self._side.append((stream, cu.CUstream(stream.cuda_stream), event))
+            event = ops.event()
+            self._side.append((stream, ops.stream(stream), event))
         if self._main_event is None:
-            self._main_event = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            self._main_event = ops.event()
 
     @property
     def side_streams(self) -> list[tuple[int, int, int]]:
@@ -73,10 +79,8 @@ class Streams:
         if self.on_cpu:
             return
         self.record("after", waiter, waited)
-        cu = _driver()
         event = self._main_event if waited == 0 else self._side[waited - 1][2]
-        _check(cu.cuEventRecord(event, self._handle(waited)), "cuEventRecord")
-        _check(cu.cuStreamWaitEvent(self._handle(waiter), event, 0), "cuStreamWaitEvent")
+        self._ops.wait_after(self._handle(waiter), self._handle(waited), event)
 
     def fork(self, sides: int, waited: int = 0):
         """Order the first ``sides`` side streams (but ``waited``) after everything queued on
@@ -99,9 +103,7 @@ class Streams:
             dst.copy_(src)
             return
         self.record("copy", stream, dst, src)
-        cu = _driver()
-        _check(cu.cuMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
-                                self._handle(stream)), "cuMemcpyAsync")
+        self._ops.copy(self._handle(stream), dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
 
     def zero(self, stream: int, t: torch.Tensor):
         """Zero int64 tensor ``t`` on ``stream``."""
@@ -109,8 +111,7 @@ class Streams:
             t.zero_()
             return
         self.record("zero", stream, t)
-        cu = _driver()
-        _check(cu.cuMemsetD32Async(t.data_ptr(), 0, 2 * t.numel(), self._handle(stream)), "cuMemsetD32Async")
+        self._ops.zero32(self._handle(stream), t.data_ptr(), 2 * t.numel())
 
     def write(self, stream: int, address: int, value: int):
         """Store int64 ``value`` at ``address`` once ``stream``'s earlier work is done (and
@@ -119,25 +120,5 @@ class Streams:
             ctypes.c_int64.from_address(address).value = value
             return
         self.record("write", stream, address, value)
-        cu = _driver()
-        _check(cu.cuStreamWriteValue64(self._handle(stream), address, value, 0), "cuStreamWriteValue64")
+        self._ops.write_value(self._handle(stream), address, value)
 
-
-_DRIVER = None  # cuda.bindings.driver, imported on the first GPU call (host time: once, not per call)
-
-
-def _driver():
-    global _DRIVER
-    if _DRIVER is None:
-        from cuda.bindings import driver
-
-        _DRIVER = driver
-    return _DRIVER
-
-
-def _check(result, call: str):
-    _driver()
-    err, *value = result if isinstance(result, tuple) else (result,)
-    if err != _DRIVER.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"tdist: {call} failed: {_driver().cuGetErrorString(err)[1]}")
-    return value[0] if value else None
