@@ -22,7 +22,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, sentinel, staged, streamed, twoshot  # noqa: E402
+from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed, twoshot  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
 REDUCIBLE = ("fp32", "bf16", "fp16", "fp64", "i32", "i64")
@@ -120,25 +120,11 @@ def _lowlatency_specialisations():
                 "DTYPE": dtype, "PACK": pack, "LANES": 1 << (world - 1).bit_length()}
 
 
-def _sentinel_specialisations():
-    """The flag-free all_reduce (experimental): bf16 and fp16 (int16 bits), fp32 (int32 bits) on 4
-    ranks; bf16 on 2 and 3 (a masked lane)."""
-    for world in (2, 3, 4):
-        for dtype, ints, op, block in _all_or_last(((tl.float16, "i16", "avg", 1024), (tl.float32, "i32", "max", 512),
-                                                    (tl.bfloat16, "i16", "sum", 4096)), world == 4):
-            signature = {"ctx": "*i64", "src": f"*{ints}", "dst": f"*{ints}", "mail": f"*{ints}",
-                         "lines": "*i64", "counter": "*i64", "n": "i64", "part": "i64", "call_word": "i64"}
-            yield sentinel.sentinel_all_reduce_kernel, signature, {
-                "WORLD": world, "SHARE": 1 << 20, "PEER": (4 << 20) + 1024, "BLOCK": block, "OP": op,
-                "DTYPE": dtype, "ACC": tl.float32, "MAXP": 132, "LANES": 1 << (world - 1).bit_length()}
-
-
 def specialisations():
     yield from _oneshot_specialisations()
     yield from _streamed_specialisations()
     yield from _twoshot_specialisations()
     yield from _lowlatency_specialisations()
-    yield from _sentinel_specialisations()
     # (ME changes only arithmetic: one rank per world size; 2 ranks: bf16, aligned, with pushers)
     for world, me in ((2, 1), (4, 3)):
         for dt, op in _all_or_last((("fp32", "avg"), ("i64", "max"), ("bf16", "sum")), world == 4):

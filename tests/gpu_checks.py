@@ -662,30 +662,6 @@ def lowlatency_path(tg, rank, world, device, gen):
     _graph_replays(lg, "lowlatency ", 1000, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
-def sentinel_path(tg, rank, world, device, gen):
-    """The flag-free all_reduce (triton_kernels/sentinel.py) on a group that takes it wherever it
-    serves: fp32 and bf16 (sum, avg, max) from 1001 elements to 1 MB, fp16 and inputs with zeros
-    of both signs, back to back with the other collectives (one-shot there); then 20 CUDA-graph
-    replays of a 1 MB fp32 all_reduce."""
-    sg = _tdist_group({"TDIST_ALGORITHM": "sentinel"})
-    _progress(rank, "sentinel_path: group made")
-    with _launches_of("_sentinel", lambda args: args[1].numel()) as served:
-        _large_calls(sg, "sentinel", (1001, (1 << 16) + 3, (1 << 18) - 5), world, device, gen)
-        _progress(rank, "sentinel_path: calls done")
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for n in (4096 * world, (1 << 19) - 5):
-                x = _rand(n, dtype, device, gen)
-                x[::3], x[1::5] = 0.0, -0.0
-                _check(f"sentinel all_reduce with zeros {str(dtype)[6:]} n={n}",
-                       *_pair(_all_reduced(x, dist.ReduceOp.SUM), sg))
-    global _checked
-    _checked += 1
-    if len(served) < 6 * 3 + 6:
-        _failures.append(f"sentinel: the kernel served {len(served)} calls, not all the all_reduces")
-    _progress(rank, "sentinel_path: zeros done")
-    _graph_replays(sg, "sentinel ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
-
-
 def served_by_tdist(tg, rank, world, device, gen):
     stats = torch_tdist.stats(tg)
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
@@ -1130,8 +1106,6 @@ CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dt
           streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
-# Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).
-EXPERIMENTAL_CHECKS = [sentinel_path]
 
 
 def main():
@@ -1151,7 +1125,7 @@ def main():
     tg = dist.new_group(backend="tdist")
     gen = torch.Generator(device).manual_seed(1234 + rank)
     wanted = set(filter(None, args.only.split(",")))
-    checks = CHECKS + [c for c in EXPERIMENTAL_CHECKS if c.__name__ in wanted]
+    checks = CHECKS
     if args.symm_mem_first:
         checks = [symm_mem_coexists] + [c for c in CHECKS if c is not symm_mem_coexists]
     for check in checks:

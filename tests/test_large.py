@@ -55,11 +55,6 @@ def twoshot_pool(world_size):
     yield _pool(world_size, "64K", TDIST_ALGORITHM="twoshot")  # 512-1024 bytes a slot: several rounds
 
 
-@pytest.fixture
-def sentinel_pool(world_size):
-    yield _pool(world_size, "2M", TDIST_ALGORITHM="sentinel")  # 4-8 KB a share
-
-
 def teardown_module():
     for pool in _POOLS.values():
         pool.shutdown()
@@ -191,18 +186,3 @@ def test_gpu_streamed_blocks_spread_a_short_share_over_the_programs(monkeypatch,
                 assert blocks <= 132, (share, nbytes, blocks)
             if nbytes > min_bytes:
                 assert blocks > 132 // 2, (share, nbytes, blocks)
-
-
-@pytest.mark.tdist_only
-@ws_param([2, 3, 4])
-def test_sentinel_kernel(sentinel_pool, seed):
-    sentinel_pool.run(J.sentinel_all_reduces, seed, timeout=180)
-
-
-@pytest.mark.tdist_only
-@ws_param([2])
-def test_sentinel_calls_that_differ_across_ranks_raise_within_the_timeout(sentinel_pool, seed):
-    for rank, (first, took, second) in enumerate(sentinel_pool.run(J.sentinel_calls_that_differ, seed, timeout=60)):
-        assert "all_reduce" in first and "did not arrive" in first, f"rank {rank}: {first}"
-        assert took < 3 + 10, f"rank {rank}: raised after {took:.1f} s"
-        assert "stopped" in second, f"rank {rank}: the next call: {second}"

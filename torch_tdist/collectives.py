@@ -10,8 +10,7 @@ steps; all_reduce two-shot; see STREAMED_FROM_BYTES); middle-sized all_reduces o
 launch of ``triton_kernels/twoshot.py`` (TWOSHOT_FROM_BYTES); the bulk path (``bulk.py``: copies between
 heaps, see BULK_FROM_BYTES) serves large messages on the CPU and the fused overlap ops; small
 all_gathers, all_reduces and even all-to-alls on GPUs are one launch of
-``triton_kernels/lowlatency.py`` (LOWLATENCY_UP_TO_BYTES), and floating-point all_reduces may
-be one launch of ``triton_kernels/sentinel.py`` (SENTINEL_UP_TO_BYTES); reduce, scatter and
+``triton_kernels/lowlatency.py`` (LOWLATENCY_UP_TO_BYTES); reduce, scatter and
 gather are the publish/pull pair of ``triton_kernels/staged.py``.
 """
 
@@ -20,7 +19,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import warnings
 from datetime import timedelta
 
 import torch
@@ -32,7 +30,7 @@ from .bulk import KMAX, PUSHERS, BulkPath
 from .bulk import aligned as _aligned
 from .bulk import vector as _vector
 from .heap import DEFAULT_HEAP_BYTES, SymmetricHeap, heap_options
-from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, sentinel, staged, streamed, twoshot
+from .triton_kernels import hierarchical, lowlatency, oneshot, overlap, staged, streamed, twoshot
 
 # Elements one program moves per loop step, and the most programs a launch gets. The
 # interpreter runs programs one after another, so there one program with wide steps is fastest.
@@ -193,21 +191,9 @@ LOWLATENCY_SLOT_WORDS = 512 if language.INTERPRET else 16384
 LOWLATENCY_BLOCK = 512 if language.INTERPRET else 256
 _LOWLATENCY_REDUCES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                        torch.int32: tl.int32}
-# The flag-free two-shot kernel (triton_kernels/sentinel.py) serves float16, bfloat16 and float32
-# all_reduces up to these bytes per rank (and only where every rank's share has elements, and a
-# share fits SENTINEL_SHARE_BYTES); TDIST_ALGORITHM=sentinel serves every all_reduce it can with it
-# (the other calls one-shot). On GPUs a program moves one block of a share, SENTINEL_BLOCK_BYTES
-# (least, most), and a launch has at most SENTINEL_PROGRAMS. Experimental on GPUs (a warning says
-# so): calls stall until the group's timeout at times (4 H200s: a few of the calls with a rank
-# 0.5 s late; 4 H100s: most calls) (README, "flag-free two-shot"; benchmarks/results/sentinel_*.log).
-SENTINEL_UP_TO_BYTES = {"cpu": 0, "cuda": 0}
-SENTINEL_BLOCK_BYTES = (1024, 1024) if language.INTERPRET else (2048, 8192)
-SENTINEL_PROGRAMS = 1 if language.INTERPRET else int(os.environ.get("TDIST_SENTINEL_PROGRAMS", "128"))
-SENTINEL_SHARE_BYTES = 64 << 10 if language.INTERPRET else SENTINEL_PROGRAMS * SENTINEL_BLOCK_BYTES[1]
-_SENTINEL_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 # (every launch of these kernels counts its epoch in a slot per program)
 assert max(ONESHOT_PROGRAMS, LOWLATENCY_SLOT_WORDS // LOWLATENCY_BLOCK) <= oneshot.EPOCH_SLOTS.value
-ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "twoshot", "lowlatency", "sentinel")
+ALGORITHMS = ("auto", "oneshot", "bulk", "streamed", "twoshot", "lowlatency")
 # How torch_tdist.ops run: "sequential" (the collective, then torch.matmul), "pipelined" (copy
 # engines and torch.matmul chunk by chunk, PIPELINE_CHUNKS[0] chunks), "fused" (the overlapping
 # kernels of triton_kernels/overlap.py, first tile config), "tune" (on a shape's first call the
@@ -334,7 +320,6 @@ class Executor:
         self._scratch_buffers = {}  # dtype -> _scratch's memory
         self._check_calls = language.INTERPRET or os.environ.get("TDIST_CHECK_CALLS") == "1"
         self.algorithm = os.environ.get("TDIST_ALGORITHM", "auto").lower()
-        self._sentinel_warned = False
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"tdist: TDIST_ALGORITHM={self.algorithm!r}; expected one of "
                              f"{', '.join(ALGORITHMS)}")
@@ -425,11 +410,6 @@ class Executor:
         self._gathered_flags = heap.empty(oneshot.flag_slots(world, ONESHOT_PROGRAMS), torch.int64)
         self._lowlatency_words = max(4, min(LOWLATENCY_SLOT_WORDS, nbytes // 16 // (16 * world) // 4 * 4))
         self._lines = heap.empty(2 * world * self._lowlatency_words, torch.int64)
-        # sentinel.py's mail: per peer an inbox and an outbox of two shares each, then its lines
-        # (none on heaps too small for a share of 256 bytes: that kernel serves no call there)
-        self._sentinel_share = min(SENTINEL_SHARE_BYTES, nbytes // 128 // world) // 256 * 256
-        self._sentinel_peer = 4 * self._sentinel_share + 8 * 2 * ONESHOT_PROGRAMS if self._sentinel_share else 0
-        self._mail = heap.empty(world * self._sentinel_peer // 8, torch.int64)
         self._tree_signals = heap.empty(world, torch.int64)
         self._tree_epoch = 0
         # A quarter each: the mailboxes (two slots per peer), the bulk path's area, staging,
@@ -675,43 +655,6 @@ class Executor:
                      DTYPE=_LOWLATENCY_REDUCES.get(dtype, tl.int32), PACK=per_word if not copy else 1,
                      LANES=self._lanes, **SIGNALLING_META)
 
-    def _sentinel_part(self, src: torch.Tensor) -> int | None:
-        """Elements per rank's share where the sentinel kernel serves an all_reduce of ``src``
-        (see ``_sentinel``), else None."""
-        if self.algorithm not in ("auto", "sentinel") or src.dtype not in _SENTINEL_BITS:
-            return None
-        nbytes, n = src.numel() * src.element_size(), src.numel()
-        if self.algorithm == "auto" and nbytes > SENTINEL_UP_TO_BYTES[self._heap.device.type]:
-            return None
-        vector = _vector(src.dtype)
-        part = -(-n // self.world_size // vector) * vector
-        fits = part * src.element_size() <= self._sentinel_share and n > (self.world_size - 1) * part
-        if fits and self._heap.device.type == "cuda" and not self._sentinel_warned:
-            self._sentinel_warned = True
-            warnings.warn("tdist: TDIST_ALGORITHM=sentinel is experimental on GPUs: on 4 H200s and 4 H100s "
-                          "some calls waited until the group's timeout and aborted the group",
-                          RuntimeWarning, stacklevel=2)
-        return part if fits else None
-
-    def _sentinel(self, op: str, src: torch.Tensor, dst: torch.Tensor, part: int, reduce_op: str):
-        """One launch of ``sentinel_all_reduce_kernel``: an all_reduce of ``src`` into ``dst``, rank
-        ``d``'s share ``[d * part, (d + 1) * part)``."""
-        dtype, ints = src.dtype, _SENTINEL_BITS[src.dtype]
-        least, most = SENTINEL_BLOCK_BYTES
-        spread = triton.next_power_of_2(-(-part * src.element_size() // SENTINEL_PROGRAMS))
-        block_bytes = max(least, min(spread, most))
-        block = block_bytes // src.element_size()
-        meta = dict(SIGNALLING_META)
-        if "num_warps" in meta:  # a 16-byte access per thread per share
-            meta["num_warps"] = max(1, min(ONESHOT_WARPS, block_bytes // 512))
-        self._launch(op, sentinel.sentinel_all_reduce_kernel, (min(SENTINEL_PROGRAMS, -(-part // block)),),
-                     self._heap.ctx, src.view(ints), dst.view(ints), self._mail.view(ints), self._mail,
-                     self._counter, src.numel(), part, _call_word(op, dtype) + (src.numel() << oneshot.COUNT_SHIFT.value),
-                     WORLD=self.world_size, SHARE=self._sentinel_share // src.element_size(),
-                     PEER=self._sentinel_peer // src.element_size(), BLOCK=block, OP=reduce_op,
-                     DTYPE=_LOWLATENCY_REDUCES[dtype], ACC=_ACCUMULATOR[dtype], MAXP=ONESHOT_PROGRAMS,
-                     LANES=self._lanes, **meta)
-
     def _bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
         """``method(op, call word, out, src, *args)`` of the bulk path. It is copies and stream
         signals besides its launches, so C++ never replays it; one that fails after its start
@@ -778,7 +721,6 @@ class Executor:
         yield self._streamed_acks.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._gathered_flags.data_ptr(), ONESHOT_PROGRAMS, world
         yield self._lines.data_ptr(), 2 * self._lowlatency_words, world
-        yield self._mail.data_ptr(), self._sentinel_peer // 8, world
         yield signals, 1, world
         yield signals + 8 * world, 1, world
         yield self._tree_signals.data_ptr(), 1, world
@@ -952,10 +894,7 @@ class Executor:
         out = _Output([tensor])
         if dst is None:
             nbytes = src.numel() * src.element_size()
-            part = self._sentinel_part(src)
-            if part is not None:
-                self._sentinel(name, src, out.flat, part, reduce_op)
-            elif self._suits_lowlatency("all_reduce", src, out.flat, src.numel()):
+            if self._suits_lowlatency("all_reduce", src, out.flat, src.numel()):
                 self._lowlatency(name, "all_reduce", src, out.flat, src.numel(), reduce_op=reduce_op)
             elif self._takes("bulk", "all_reduce", nbytes):
                 self._bulk_call(name, self._bulk.all_reduce, out.flat, src, reduce_op)
