@@ -69,8 +69,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     algorithm = os.environ.get("TDIST_ALGORITHM")
     served = []  # the ops the forced kernel (streamed, low-latency or two-shot) served
     if algorithm in ("streamed", "lowlatency", "twoshot"):
-        launch = getattr(executor, f"_{algorithm}")
-        setattr(executor, f"_{algorithm}", lambda op, *args, **kwargs: (served.append(op), launch(op, *args, **kwargs)))
+        stop_counting = _count_calls(executor.algorithms[algorithm], "run", served)
     xs = _inputs(seed, ws, n, dtype)
     x = xs[rank]
 
@@ -112,11 +111,19 @@ def large_messages(rank, ws, n, dtype_name, seed):
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
     if algorithm in ("streamed", "lowlatency", "twoshot"):
-        setattr(executor, f"_{algorithm}", launch)
+        stop_counting()
         missing = ({"all_reduce"} if algorithm == "twoshot" else
                    {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
                     "all_reduce", "all_to_all_single"}) - set(served)
         assert not missing, f"not served by the {algorithm} kernel: {missing}"
+
+
+def _count_calls(algorithm, method: str, ops: list):
+    """Appends the op of every call ``algorithm.<method>(ctx, call)`` serves to ``ops``; returns
+    what stops it."""
+    original = getattr(algorithm, method)
+    setattr(algorithm, method, lambda ctx, call: (ops.append(call.op), original(ctx, call)))
+    return lambda: delattr(algorithm, method)
 
 
 def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
@@ -134,14 +141,12 @@ def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
     want = torch.cat([xs[r][sum(count(r, d) for d in range(rank)):][:count(r, rank)] for r in range(ws)])
     got = torch.full_like(want, float("nan"))
     calls = []
-    if streamed:
-        launch = executor._streamed_v
-        executor._streamed_v = lambda *args, **kwargs: (calls.append(args[0]), launch(*args, **kwargs))
+    stop_counting = _count_calls(executor.algorithms["streamed"], "all_to_all_v", calls) if streamed else None
     try:
         dist.all_to_all_single(got, xs[rank], [count(r, rank) for r in range(ws)], [count(rank, d) for d in range(ws)])
     finally:
-        if streamed:
-            executor._streamed_v = launch
+        if stop_counting:
+            stop_counting()
     assert torch.equal(got, want), "all_to_all_single with split sizes: wrong result"
     assert calls or not streamed, "all_to_all_single with split sizes: not served by the streamed kernel"
 
@@ -167,8 +172,7 @@ def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
         return torch.randn(sum(count(src, d) for d in range(ws)), generator=g).to(dtype)
 
     served = []
-    launch = executor._streamed_v
-    executor._streamed_v = lambda *args, **kwargs: (served.append(args[0]), launch(*args, **kwargs))
+    stop_counting = _count_calls(executor.algorithms["streamed"], "all_to_all_v", served)
 
     def exchange(tag, expected_from_0):
         want = torch.cat([data(s, tag)[sum(count(s, d) for d in range(rank)):][:count(s, rank)] for s in range(ws)])
@@ -187,7 +191,7 @@ def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
             second = str(err)
         third = exchange(2, count(0, 1))
     finally:
-        executor._streamed_v = launch
+        stop_counting()
     return second, first and third and len(served) == 3
 
 

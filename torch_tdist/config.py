@@ -102,8 +102,8 @@ class Config:
                 f"tdist: unknown transport {transport!r} (TDIST_TRANSPORT or the backend option "
                 f"'transport'); expected one of {', '.join(choices['transport'])}")
         size = options.get("heap_size") or os.environ.get("TDIST_HEAP_SIZE")
+        heap_bytes = None if size is None else parse_size(size)
         algorithm = _choice(*setting("algorithm", "TDIST_ALGORITHM", "auto"), choices["algorithm"])
-        overlap = _choice(*setting("overlap", "TDIST_OVERLAP", "auto"), choices["overlap"])
         pusher, where = setting("bulk_push", None, None)
         pusher = _choice(pusher, where, choices["bulk_push"]) if pusher else None
         steps, where = setting("streamed_step_blocks", None, 1)
@@ -113,16 +113,22 @@ class Config:
         low, high = choices["streamed_min_block_bytes"]
         if not str(least).isdigit() or not low <= int(least) <= high or int(least) & (int(least) - 1):
             raise ValueError(f"tdist: {where}={least!r}; expected a power of two from {low} to {high}")
+        overlap = _choice(*setting("overlap", "TDIST_OVERLAP", "auto"), choices["overlap"])
+        check_calls = _flag(*setting("check_calls", "TDIST_CHECK_CALLS", False), lenient=True)
+        gpu_kernels = _flag(*setting("gpu_kernels", "TDIST_GPU_KERNELS", True), lenient=True, on_unless_0=True)
+        limits = _flag(*setting("gpu_size_limits", None, True), lenient=True, on_unless_0=True)
+        uneven = _flag(*setting("uneven_all_to_all", None, True))  # (every rank must choose the same)
+        tear_down = _flag(*setting("async_error_handling", "TDIST_ASYNC_ERROR_HANDLING", True))
         return cls(
             transport=transport,
-            heap_bytes=None if size is None else parse_size(size),
+            heap_bytes=heap_bytes,
             algorithm=algorithm,
             overlap=overlap,
-            tear_down_on_timeout=_flag(*setting("async_error_handling", "TDIST_ASYNC_ERROR_HANDLING", True)),
-            check_calls=_flag(*setting("check_calls", "TDIST_CHECK_CALLS", False), lenient=True),
-            gpu_kernels=_flag(*setting("gpu_kernels", "TDIST_GPU_KERNELS", True), lenient=True, on_unless_0=True),
-            gpu_size_limits=_flag(*setting("gpu_size_limits", None, True), lenient=True, on_unless_0=True),
-            uneven_all_to_all=_flag(*setting("uneven_all_to_all", None, True)),  # (every rank must choose the same)
+            tear_down_on_timeout=tear_down,
+            check_calls=check_calls,
+            gpu_kernels=gpu_kernels,
+            gpu_size_limits=limits,
+            uneven_all_to_all=uneven,
             bulk_push=pusher,
             streamed_step_blocks=int(steps),
             streamed_min_block_bytes=int(least),  # ranks must agree on it (blocks are cut alike)
