@@ -22,7 +22,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from tests.common import new_group_with_env  # noqa: E402
 from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
@@ -137,14 +136,14 @@ def every_op(tg, rank, world, device, gen):
 
 
 def uneven_all_to_all(tg, rank, world, device, gen):
-    """all_to_all_single with split sizes through tdist's kernel (TDIST_UNEVEN_ALL_TO_ALL=1; by
+    """all_to_all_single with split sizes through tdist's kernel (uneven_all_to_all; by
     default NCCL serves it): uneven splits with empty pairs, a rank that sends nothing, even
     splits given explicitly, rows whose offsets break 16-byte accesses (fp32 rows of 7), each
     kind twice or more, so later calls replay the launch plan with a table C++ wrote; four
     replays back to back with their own splits, every other one async; then a CUDA graph of an
     uneven call whose splits no call had before, replayed on fresh inputs; then a rank pair too
     large for its mailbox."""
-    kg = _tdist_group({"TDIST_UNEVEN_ALL_TO_ALL": "1"})
+    kg = _tdist_group({"uneven_all_to_all": "1"})
     calls = 0
 
     def a2a_pair(group, splits, row, dtype, label):
@@ -215,7 +214,7 @@ def uneven_all_to_all(tg, rank, world, device, gen):
 
     # a pair too large for its mailbox (64M / (8 x world) on a 64M heap): its two ranks raise,
     # the other pairs arrive, and the group goes on
-    small = _tdist_group({"TDIST_UNEVEN_ALL_TO_ALL": "1", "TDIST_HEAP_SIZE": "64M"})
+    small = _tdist_group({"uneven_all_to_all": "1", "heap_size": "64M"})
     splits = torch.full((world, world), 3)
     a2a_pair(small, splits, 512, torch.bfloat16, "on a 64M heap")  # (which makes the heap)
     big = torch_tdist.get_executor(small).mailbox_bytes // 2 // 512 + 1
@@ -242,7 +241,7 @@ def uneven_all_to_all(tg, rank, world, device, gen):
 
 def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
     """all_to_all_single with split sizes whose shares are larger than a mailbox slot, which the
-    streamed kernel moves in turns (the default: TDIST_UNEVEN_ALL_TO_ALL unset): on the default
+    streamed kernel moves in turns (the default: uneven_all_to_all unset): on the default
     heap (32 MB slots with 4 ranks) and on a 256M one (a ring of 3 steps per program and slot
     with 4 ranks, so turns come every third step), three times each (the later calls replay
     C++'s plan, the second is async); two CUDA graphs of such a call replayed in turn on fresh inputs; then a call whose splits
@@ -264,7 +263,7 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
             work.wait()
         return out
 
-    for label, env in (("default heap", {}), ("256M heap", {"TDIST_HEAP_SIZE": "256M"})):
+    for label, env in (("default heap", {}), ("256M heap", {"heap_size": "256M"})):
         group = _tdist_group(env)
         dist.all_reduce(torch.ones(1, device=device), group=group)  # (the heap comes with a first call)
         slot_rows = torch_tdist.get_executor(group).mailbox_bytes // 2 // row
@@ -296,7 +295,7 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
 
     # wrong splits: on the group above (C++ replays, which raise nothing on GPUs), and on one with
     # TDIST_CHECK_CALLS=1, where rank 1 raises
-    checked = _tdist_group({"TDIST_HEAP_SIZE": "256M", "TDIST_CHECK_CALLS": "1"})
+    checked = _tdist_group({"heap_size": "256M", "check_calls": "1"})
     for grp, label in ((group, "replayed"), (checked, "TDIST_CHECK_CALLS=1")):
         x = torch.randn(int(splits[rank].sum()), row, device=device, generator=gen).to(torch.bfloat16)
         recv = splits[:, rank].tolist()
@@ -541,7 +540,7 @@ def bulk_path(tg, rank, world, device, gen):
     if NVSHMEM:  # more NVSHMEM heaps of 1 GB per rank than the runs allow for
         return
     for pusher in bulk.PUSHERS:
-        bg = _tdist_group({"TDIST_ALGORITHM": "bulk", "TDIST_BULK_PUSH": pusher})
+        bg = _tdist_group({"algorithm": "bulk", "bulk_push": pusher})
         chunk_bytes = bulk.CHUNK_BYTES[pusher]
         bulk.CHUNK_BYTES[pusher] = 1 << 20
         _large_calls(bg, f"bulk {pusher}", (1001, "3M", 65536), world, device, gen)
@@ -584,12 +583,12 @@ def streamed_path(tg, rank, world, device, gen):
     """The streamed kernel (triton_kernels/streamed.py) on a group that takes it at every size,
     with a 64 MB heap (2 MB mailbox slots on 4 ranks, so the larger messages take several rounds
     of many steps): all_gather, reduce_scatter and all_reduce (in place) with odd element
-    counts, also with blocks from 2 KB (TDIST_STREAMED_MIN_BLOCK_BYTES), then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
+    counts, also with blocks from 2 KB (streamed_min_block_bytes), then 20 CUDA-graph replays of a 1 MB all_reduce (its all_gather streamed too); and
     the default group at 4 MB (all_gather streamed there, all_reduce two-shot, reduce_scatter one-shot)."""
-    sg = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M"})
+    sg = _tdist_group({"algorithm": "streamed", "heap_size": "64M"})
     _large_calls(sg, "streamed", (1001, "3M", (5 << 20) + 3), world, device, gen)
-    small_blocks = _tdist_group({"TDIST_ALGORITHM": "streamed", "TDIST_HEAP_SIZE": "64M",
-                                 "TDIST_STREAMED_MIN_BLOCK_BYTES": "2048"})
+    small_blocks = _tdist_group({"algorithm": "streamed", "heap_size": "64M",
+                                 "streamed_min_block_bytes": "2048"})
     _large_calls(small_blocks, "streamed, blocks from 2 KB", (1001, "3M"), world, device, gen)
     _large_calls(tg, "auto", ((1 << 20) + 3,), world, device, gen)
     _progress(rank, "streamed_path: calls done")
@@ -598,22 +597,21 @@ def streamed_path(tg, rank, world, device, gen):
 
 
 @contextlib.contextmanager
-def _launches_of(method: str, what):
-    """A list that gets ``what(args)`` of every call of ``collectives.Executor.<method>`` made
-    inside the block (which kernel served what)."""
-    from torch_tdist import collectives
-
-    original = getattr(collectives.Executor, method)
+def _launches_of(owner, name: str, what):
+    """A list that gets ``what(args)`` of every call of ``owner.<name>`` (a function of an
+    algorithm module, or a method of an algorithm class) made inside the block (which kernel
+    served what)."""
+    original = getattr(owner, name)
     served = []
 
-    def counted(self, *args, **kwargs):
+    def counted(*args, **kwargs):
         served.append(what(args))
-        return original(self, *args, **kwargs)
-    setattr(collectives.Executor, method, counted)
+        return original(*args, **kwargs)
+    setattr(owner, name, counted)
     try:
         yield served
     finally:
-        setattr(collectives.Executor, method, original)
+        setattr(owner, name, original)
 
 
 def twoshot_path(tg, rank, world, device, gen):
@@ -622,8 +620,10 @@ def twoshot_path(tg, rank, world, device, gen):
     bf16 (sum, avg, max) with odd element counts, back to back with all_gather and reduce_scatter
     (one-shot there); a 1 MB all_reduce three times on it and on the default tdist group (two-shot
     there too; the later calls replayed by C++); then 20 CUDA-graph replays of a 1 MB fp32 all_reduce."""
-    wg = _tdist_group({"TDIST_ALGORITHM": "twoshot", "TDIST_HEAP_SIZE": "64M"})
-    with _launches_of("_twoshot", lambda args: args[0]) as served:
+    from torch_tdist.collectives import twoshot
+
+    wg = _tdist_group({"algorithm": "twoshot", "heap_size": "64M"})
+    with _launches_of(twoshot, "launch", lambda args: args[1]) as served:
         _large_calls(wg, "twoshot", (3, 1001, "3M", (1 << 20) + 3), world, device, gen)
         for trial in range(3):  # one shape again: the later calls replay C++'s launch plan
             for group, label in ((wg, "twoshot"), (tg, "auto")):  # (1 MB and 3 elements: two-shot in both)
@@ -642,9 +642,10 @@ def lowlatency_path(tg, rank, world, device, gen):
     sizes of one word to a full slot, even all-to-alls of bf16 and uint8, then 20 CUDA-graph
     replays (an all_gather of 4096 bf16 and an all_reduce of 1000 fp32, both low-latency)."""
     from torch_tdist import collectives
+    from torch_tdist.collectives.lowlatency import LowLatency
 
-    lg = _tdist_group({"TDIST_ALGORITHM": "lowlatency"})
-    with _launches_of("_lowlatency", lambda args: args[1]) as served:
+    lg = _tdist_group({"algorithm": "lowlatency"})
+    with _launches_of(LowLatency, "run", lambda args: args[2].family) as served:
         _large_calls(lg, "lowlatency", (2, 1000, 4096 + 8, collectives.LOWLATENCY_SLOT_WORDS), world, device, gen)
         for dtype in (torch.bfloat16, torch.uint8):
             for n in (8, 4096):
@@ -660,30 +661,6 @@ def lowlatency_path(tg, rank, world, device, gen):
     if not {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"} <= set(served):
         _failures.append(f"lowlatency: the kernel served only {sorted(set(served))}")
     _graph_replays(lg, "lowlatency ", 1000, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
-
-
-def sentinel_path(tg, rank, world, device, gen):
-    """The flag-free all_reduce (triton_kernels/sentinel.py) on a group that takes it wherever it
-    serves: fp32 and bf16 (sum, avg, max) from 1001 elements to 1 MB, fp16 and inputs with zeros
-    of both signs, back to back with the other collectives (one-shot there); then 20 CUDA-graph
-    replays of a 1 MB fp32 all_reduce."""
-    sg = _tdist_group({"TDIST_ALGORITHM": "sentinel"})
-    _progress(rank, "sentinel_path: group made")
-    with _launches_of("_sentinel", lambda args: args[1].numel()) as served:
-        _large_calls(sg, "sentinel", (1001, (1 << 16) + 3, (1 << 18) - 5), world, device, gen)
-        _progress(rank, "sentinel_path: calls done")
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for n in (4096 * world, (1 << 19) - 5):
-                x = _rand(n, dtype, device, gen)
-                x[::3], x[1::5] = 0.0, -0.0
-                _check(f"sentinel all_reduce with zeros {str(dtype)[6:]} n={n}",
-                       *_pair(_all_reduced(x, dist.ReduceOp.SUM), sg))
-    global _checked
-    _checked += 1
-    if len(served) < 6 * 3 + 6:
-        _failures.append(f"sentinel: the kernel served {len(served)} calls, not all the all_reduces")
-    _progress(rank, "sentinel_path: zeros done")
-    _graph_replays(sg, "sentinel ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
 def served_by_tdist(tg, rank, world, device, gen):
@@ -706,9 +683,9 @@ def fused_ops(tg, rank, world, device, gen):
     _ops_against_nccl(tg, "sequential", rank, world, device, gen)
     if NVSHMEM:
         return
-    overlapped = {"fused sm": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "sm"},
-                  "fused copy_engine": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "copy_engine"},
-                  "pipelined": {"TDIST_OVERLAP": "pipelined"}}
+    overlapped = {"fused sm": {"overlap": "fused", "bulk_push": "sm"},
+                  "fused copy_engine": {"overlap": "fused", "bulk_push": "copy_engine"},
+                  "pipelined": {"overlap": "pipelined"}}
     for label, env in overlapped.items():
         og = _tdist_group(env)
         # pipelined: the second call of each shape replays the first's record from C++, with new tensors
@@ -722,7 +699,7 @@ def fused_ops(tg, rank, world, device, gen):
         replayed = executor.replayed_calls
         if label == "pipelined" and min(replayed["all_gather_matmul"], replayed["matmul_reduce_scatter"]) < 2:
             _failures.append(f"pipelined: calls replayed from C++: {dict(replayed)}, expected 2 or more of each op")
-    tuned = _tdist_group({"TDIST_OVERLAP": "tune"})  # every way runs while tuning
+    tuned = _tdist_group({"overlap": "tune"})  # every way runs while tuning
     _ops_against_nccl(tuned, "tuned", rank, world, device, gen)
     if rank == 0:
         print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
@@ -751,7 +728,7 @@ def fused_after_async(tg, rank, world, device, gen):
     if NVSHMEM:
         return  # (the overlapped ways need the cuda transport: fused_ops)
     m, k, n = 256, 384, 512
-    for label, env in (("fused", {"TDIST_OVERLAP": "fused"}), ("pipelined", {"TDIST_OVERLAP": "pipelined"})):
+    for label, env in (("fused", {"overlap": "fused"}), ("pipelined", {"overlap": "pipelined"})):
         og = _tdist_group(env)
         b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16)
         side = torch.cuda.Stream(device)
@@ -780,7 +757,7 @@ def fallback_in_order(tg, rank, world, device, gen):
     tensor: world x rank 0's input (unordered: the sum); the same with the broadcast synchronous on
     the side stream. Whole numbers, so that every order of summing gives the same floats."""
     n = 1 << 20  # float32: 4 MB
-    fg = _tdist_group({"TDIST_ALGORITHM": "auto", "TDIST_GPU_SIZE_LIMITS": "1"})  # (whatever the run's)
+    fg = _tdist_group({"algorithm": "auto", "gpu_size_limits": "1"})  # (whatever the run's)
     side = torch.cuda.Stream(device)
     dist.broadcast(torch.zeros(n, device=device), 0, group=fg)  # (NCCL's communicator starts here)
     torch.cuda.synchronize()
@@ -816,7 +793,7 @@ def pipelined_graphs(tg, rank, world, device, gen):
     third on replay a graph; each call's outputs against NCCL + torch.matmul in float32."""
     if NVSHMEM:
         return
-    executor = torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"}))
+    executor = torch_tdist.get_executor(_tdist_group({"overlap": "pipelined"}))
     m, n, k, calls = 256, 512, 384, 5
 
     def empty(*shape):
@@ -852,7 +829,7 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
     not: the check fails if they are not, since it could not tell the two apart)."""
     if NVSHMEM:
         return
-    executor = torch_tdist.get_executor(_tdist_group({"TDIST_OVERLAP": "pipelined"}))
+    executor = torch_tdist.get_executor(_tdist_group({"overlap": "pipelined"}))
     m, n, k = 256, 512, 384
     a = torch.empty(m, k, device=device)
     b = torch.empty(k, n, device=device)
@@ -893,7 +870,7 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
     graphs); every output against NCCL + torch.matmul."""
     if NVSHMEM:
         return
-    group = _tdist_group({"TDIST_OVERLAP": "pipelined", "TDIST_ALGORITHM": "bulk"})
+    group = _tdist_group({"overlap": "pipelined", "algorithm": "bulk"})
     executor = torch_tdist.get_executor(group)
     m, n, k, rounds = 256, 512, 384, 3
 
@@ -956,7 +933,7 @@ def pipelined_in_user_graph(tg, rank, world, device, gen):
     if NVSHMEM:
         return
     for policy in ("pipelined", "fused", "tune"):
-        _ops_in_user_graph(policy, _tdist_group({"TDIST_OVERLAP": policy, "TDIST_ALGORITHM": "bulk"}),
+        _ops_in_user_graph(policy, _tdist_group({"overlap": policy, "algorithm": "bulk"}),
                            world, device, gen)
 
 
@@ -1004,9 +981,9 @@ def _ops_in_user_graph(policy, group, world, device, gen):
         _failures.append(f"{policy} in a user graph: a call inside the capture replayed the executor's own graph")
 
 
-def _tdist_group(env: dict):
-    """A new tdist group created with ``env`` set."""
-    return new_group_with_env("tdist", env)
+def _tdist_group(options: dict):
+    """A new tdist group created with the backend ``options`` (its config)."""
+    return dist.new_group(backend="tdist", pg_options=options)
 
 
 def _ops_against_nccl(tg, label, rank, world, device, gen):
@@ -1130,8 +1107,6 @@ CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dt
           streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
-# Run only when named (--only): paths known to stall at times (see collectives.SENTINEL_UP_TO_BYTES).
-EXPERIMENTAL_CHECKS = [sentinel_path]
 
 
 def main():
@@ -1151,7 +1126,7 @@ def main():
     tg = dist.new_group(backend="tdist")
     gen = torch.Generator(device).manual_seed(1234 + rank)
     wanted = set(filter(None, args.only.split(",")))
-    checks = CHECKS + [c for c in EXPERIMENTAL_CHECKS if c.__name__ in wanted]
+    checks = CHECKS
     if args.symm_mem_first:
         checks = [symm_mem_coexists] + [c for c in CHECKS if c is not symm_mem_coexists]
     for check in checks:

@@ -24,7 +24,6 @@ import sys
 import time
 from datetime import timedelta
 
-os.environ.setdefault("TDIST_GPU_SIZE_LIMITS", "0")
 TEARDOWN = os.environ.get("TDIST_DEAD_TEARDOWN") == "1"
 os.environ["TDIST_ASYNC_ERROR_HANDLING"] = "1" if TEARDOWN else "0"
 import torch_tdist.launch  # noqa: E402,F401  (importing it sets the NVLink-multicast safety variables)
@@ -37,7 +36,7 @@ from torch_tdist.backend import _tdist_backend  # noqa: E402
 
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
-# name: (op, elements per rank (rows of A per rank for the overlapped ops), its group's environment).
+# name: (op, elements per rank (rows of A per rank for the overlapped ops), its group's backend options).
 # The small ones run the one-shot kernels; 4 MB of all_reduce the two-shot kernel, 16 MB the streamed kernel ("streamed"
 # forces it on reduce_scatter); "bulk" forces the bulk path: all_gather's pulls (whose barriers
 # wait in a kernel) and the other ops' pushes. The overlapped ops (torch_tdist.ops) queue their
@@ -48,16 +47,16 @@ CASES = {
     "all_reduce": ("all_reduce", 4096, {}),
     "all_to_all": ("all_to_all", 4096, {}),
     "barrier": ("barrier", 0, {}),  # (waits on the host, in work.wait(), while the watchdog aborts)
-    "all_gather 64 MB, bulk": ("all_gather", 16 << 20, {"TDIST_ALGORITHM": "bulk"}),
+    "all_gather 64 MB, bulk": ("all_gather", 16 << 20, {"algorithm": "bulk"}),
     "all_reduce 4 MB, two-shot": ("all_reduce", 1 << 18, {}),
     "all_reduce 16 MB": ("all_reduce", 1 << 20, {}),
-    "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "streamed"}),
-    "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, {"TDIST_ALGORITHM": "bulk"}),
-    "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, {"TDIST_ALGORITHM": "bulk"}),
-    "all_gather_matmul, fused": ("all_gather_matmul", 256, {"TDIST_OVERLAP": "fused"}),
-    "all_gather_matmul, pipelined": ("all_gather_matmul", 256, {"TDIST_OVERLAP": "pipelined"}),
-    "matmul_reduce_scatter, fused": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "fused"}),
-    "matmul_reduce_scatter, pipelined": ("matmul_reduce_scatter", 256, {"TDIST_OVERLAP": "pipelined"}),
+    "reduce_scatter 16 MB, streamed": ("reduce_scatter", 1 << 20, {"algorithm": "streamed"}),
+    "reduce_scatter 4 MB, bulk": ("reduce_scatter", 1 << 20, {"algorithm": "bulk"}),
+    "all_reduce 4 MB, bulk": ("all_reduce", 1 << 20, {"algorithm": "bulk"}),
+    "all_gather_matmul, fused": ("all_gather_matmul", 256, {"overlap": "fused"}),
+    "all_gather_matmul, pipelined": ("all_gather_matmul", 256, {"overlap": "pipelined"}),
+    "matmul_reduce_scatter, fused": ("matmul_reduce_scatter", 256, {"overlap": "fused"}),
+    "matmul_reduce_scatter, pipelined": ("matmul_reduce_scatter", 256, {"overlap": "pipelined"}),
 }
 if os.environ.get("TDIST_DEAD_CASES"):  # "|"-separated names: some of the cases (a shorter run)
     CASES = {name: case for name, case in CASES.items() if name in os.environ["TDIST_DEAD_CASES"].split("|")}
@@ -91,13 +90,10 @@ def _call(case, group, world, device):
     return dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)
 
 
-def _group(env: dict):
-    os.environ.update(env)  # (read once, by the group's executor)
-    try:
-        return dist.new_group(backend="tdist", timeout=timedelta(seconds=TIMEOUT_S))
-    finally:
-        for name in env:
-            del os.environ[name]
+def _group(options: dict):
+    """A tdist group with the backend ``options`` (its config), every size served by tdist."""
+    return dist.new_group(backend="tdist", timeout=timedelta(seconds=TIMEOUT_S),
+                          pg_options={"gpu_size_limits": False, **options})
 
 
 def _abort_fails_a_waiting_call(rank, world, device) -> list[str]:
@@ -129,7 +125,7 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     failures = [] if TEARDOWN else _abort_fails_a_waiting_call(rank, world, device)
-    groups = {case: _group(env) for case, (_, _, env) in CASES.items()}
+    groups = {case: _group(options) for case, (_, _, options) in CASES.items()}
     for case in CASES:  # heaps made, kernels compiled (and the overlapped ops' programs recorded)
         for _ in range(2):
             work = _call(case, groups[case], world, device)

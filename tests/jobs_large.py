@@ -69,8 +69,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     algorithm = os.environ.get("TDIST_ALGORITHM")
     served = []  # the ops the forced kernel (streamed, low-latency or two-shot) served
     if algorithm in ("streamed", "lowlatency", "twoshot"):
-        launch = getattr(executor, f"_{algorithm}")
-        setattr(executor, f"_{algorithm}", lambda op, *args, **kwargs: (served.append(op), launch(op, *args, **kwargs)))
+        stop_counting = _count_calls(executor.algorithms[algorithm], "run", served)
     xs = _inputs(seed, ws, n, dtype)
     x = xs[rank]
 
@@ -112,11 +111,19 @@ def large_messages(rank, ws, n, dtype_name, seed):
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
         assert after[op]["tdist"] > before[op]["tdist"] and after[op]["fallback"] == before[op]["fallback"], op
     if algorithm in ("streamed", "lowlatency", "twoshot"):
-        setattr(executor, f"_{algorithm}", launch)
+        stop_counting()
         missing = ({"all_reduce"} if algorithm == "twoshot" else
                    {"all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "reduce_scatter",
                     "all_reduce", "all_to_all_single"}) - set(served)
         assert not missing, f"not served by the {algorithm} kernel: {missing}"
+
+
+def _count_calls(algorithm, method: str, ops: list):
+    """Appends the op of every call ``algorithm.<method>(ctx, call)`` serves to ``ops``; returns
+    what stops it."""
+    original = getattr(algorithm, method)
+    setattr(algorithm, method, lambda ctx, call: (ops.append(call.op), original(ctx, call)))
+    return lambda: delattr(algorithm, method)
 
 
 def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
@@ -134,14 +141,12 @@ def _uneven_all_to_all_checked(executor, seed, ws, n, dtype, streamed):
     want = torch.cat([xs[r][sum(count(r, d) for d in range(rank)):][:count(r, rank)] for r in range(ws)])
     got = torch.full_like(want, float("nan"))
     calls = []
-    if streamed:
-        launch = executor._streamed_v
-        executor._streamed_v = lambda *args, **kwargs: (calls.append(args[0]), launch(*args, **kwargs))
+    stop_counting = _count_calls(executor.algorithms["streamed"], "all_to_all_v", calls) if streamed else None
     try:
         dist.all_to_all_single(got, xs[rank], [count(r, rank) for r in range(ws)], [count(rank, d) for d in range(ws)])
     finally:
-        if streamed:
-            executor._streamed_v = launch
+        if stop_counting:
+            stop_counting()
     assert torch.equal(got, want), "all_to_all_single with split sizes: wrong result"
     assert calls or not streamed, "all_to_all_single with split sizes: not served by the streamed kernel"
 
@@ -167,8 +172,7 @@ def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
         return torch.randn(sum(count(src, d) for d in range(ws)), generator=g).to(dtype)
 
     served = []
-    launch = executor._streamed_v
-    executor._streamed_v = lambda *args, **kwargs: (served.append(args[0]), launch(*args, **kwargs))
+    stop_counting = _count_calls(executor.algorithms["streamed"], "all_to_all_v", served)
 
     def exchange(tag, expected_from_0):
         want = torch.cat([data(s, tag)[sum(count(s, d) for d in range(rank)):][:count(s, rank)] for s in range(ws)])
@@ -187,7 +191,7 @@ def uneven_all_to_all_in_turns(rank, ws, seed, dtype_name):
             second = str(err)
         third = exchange(2, count(0, 1))
     finally:
-        executor._streamed_v = launch
+        stop_counting()
     return second, first and third and len(served) == 3
 
 
@@ -289,73 +293,3 @@ def all_to_all_too_large_for_a_mailbox(rank, ws, seed, big):
     want = torch.cat([torch.randn(5 * ws, 1, generator=torch.Generator().manual_seed(seed + s))[5 * rank:5 * rank + 5]
                       for s in range(ws)])
     return first, right, torch.equal(out, want)
-
-
-def sentinel_all_reduces(rank, ws, seed):
-    """all_reduces on a pool with TDIST_ALGORITHM=sentinel: float32, bfloat16 and float16, every
-    reduce op, shares of one to several blocks, a short last share, zeros of both signs (the
-    kernel's mailboxes hold zeros at rest), back to back and between other collectives. Every rank
-    gets the same bits; the sizes whose shares all have elements and fit a share's room are served
-    by the sentinel kernel (the others one-shot, also checked); the mailboxes are all zeros after."""
-    import torch_tdist
-
-    executor = torch_tdist.get_executor()
-    room = executor.heap and executor._sentinel_share  # bytes of a share (the heap made first)
-    served = []
-    launch = executor._sentinel
-    executor._sentinel = lambda op, src, *args: (served.append((src.dtype, src.numel())), launch(op, src, *args))
-    tiny = 3  # fewer than a 16-byte access per rank: shares empty
-    cases = [("float32", "SUM", 1000 * ws + 3, True), ("float32", "SUM", ws * room // 4, True),
-             ("float32", "SUM", ws * room // 4 + 64 * ws, False), ("float32", "SUM", tiny, False),
-             ("bfloat16", "SUM", 777 * ws, True), ("bfloat16", "AVG", ws * room // 2 - 5, True),
-             ("float16", "SUM", 1500 * ws - 7, True), ("float32", "MAX", 2001, True),
-             ("float32", "MIN", 2001, True), ("float32", "PRODUCT", 999, True),
-             ("bfloat16", "SUM", 777 * ws, True)]
-    try:
-        for i, (dtype_name, op, n, sentinel) in enumerate(cases):
-            dtype = getattr(torch, dtype_name)
-            xs = _inputs(seed + i, ws, n, dtype)
-            for r, x in enumerate(xs):
-                x[r::7] = 0.0
-                x[1::5] = -0.0  # on every rank: a sum of -0.0s
-            got = xs[rank].clone()
-            dist.all_reduce(got, op=getattr(dist.ReduceOp, op))
-            stacked = torch.stack([x.double() for x in xs])
-            want = {"SUM": stacked.sum(0), "AVG": stacked.mean(0), "MAX": stacked.amax(0),
-                    "MIN": stacked.amin(0), "PRODUCT": stacked.prod(0)}[op]
-            tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
-            assert torch.allclose(got.double(), want, rtol=tol, atol=tol), f"all_reduce {op} {dtype_name} n={n}: wrong"
-            bits = torch.int32 if dtype == torch.float32 else torch.int16
-            everyone = [torch.empty_like(got) for _ in range(ws)]
-            dist.all_gather(everyone, got)
-            assert all(torch.equal(e.view(bits), got.view(bits)) for e in everyone), \
-                f"all_reduce {op} {dtype_name} n={n}: ranks got different bits"
-            assert ((dtype, n) in served) == sentinel, f"n={n} {dtype_name}: served by the sentinel kernel: {not sentinel}"
-    finally:
-        executor._sentinel = launch
-    dist.barrier()
-    assert executor._mail.count_nonzero() == 0, "the sentinel kernel's mailboxes are not all zeros after"
-
-
-def sentinel_calls_that_differ(rank, ws, seed):
-    """Rank 1 all-reduces twice the elements the others do, through the sentinel kernel on a
-    group with a 3 s timeout: (what the call raised, seconds it took, what the next call raised)."""
-    import time
-    from datetime import timedelta
-
-    group = dist.new_group(backend="tdist", timeout=timedelta(seconds=3))
-    x = _inputs(seed, ws, 1000 * (2 if rank == 1 else 1), torch.float32)[rank]
-    start = time.monotonic()
-    try:
-        dist.all_reduce(x, group=group)
-        first = "returned"
-    except Exception as err:  # noqa: BLE001  (the test inspects it)
-        first = str(err)
-    took = time.monotonic() - start
-    try:
-        dist.all_reduce(torch.ones(1000), group=group)
-        second = "returned"
-    except Exception as err:  # noqa: BLE001
-        second = str(err)
-    dist.destroy_process_group(group)
-    return first, took, second

@@ -160,7 +160,7 @@ def _describe_exc(exc: BaseException, rank: int, phase: str, t0: float | None = 
 
 
 def _worker_main(rank, world_size, backend, store_host, store_port, conn, env,
-                 init_pg, pg_timeout_s, log_path):
+                 init_pg, pg_timeout_s, log_path, pg_options=None):
     # Everything below runs in a freshly spawned interpreter.
     os.environ.update(env)
     # Send this process's output (C++ included) to its log file.
@@ -202,7 +202,8 @@ def _worker_main(rank, world_size, backend, store_host, store_port, conn, env,
             store = dist.TCPStore(store_host, store_port, world_size, is_master=False,
                                   timeout=timedelta(seconds=60))
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout_s))
+                                    timeout=timedelta(seconds=pg_timeout_s),
+                                    pg_options=pg_options if is_tdist(backend) else None)
     except BaseException as exc:  # noqa: BLE001
         conn.send(("init_error", _describe_exc(exc, rank, phase)))
         conn.close()
@@ -291,13 +292,14 @@ class RankPool:
 
     def __init__(self, world_size: int, backend: str | None = None, *, env: dict | None = None,
                  init_pg: bool = True, pg_timeout_s: float = 60.0, start_timeout: float = 120.0,
-                 health_check: bool = True, name: str | None = None):
+                 health_check: bool = True, name: str | None = None, pg_options: dict | None = None):
         self.world_size = int(world_size)
         self.backend = backend_under_test() if backend is None else backend
         self.env = dict(DEFAULT_WORKER_ENV)
         if env:
             self.env.update(env)
         self.init_pg = init_pg
+        self.pg_options = pg_options  # the default group's backend options (a tdist group's config)
         self.pg_timeout_s = pg_timeout_s
         self.start_timeout = start_timeout
         self.health_check = health_check and init_pg
@@ -358,7 +360,7 @@ class RankPool:
                 proc = ctx.Process(
                     target=_worker_main,
                     args=(rank, self.world_size, self.backend, "127.0.0.1", store_port, child_conn,
-                          self.env, self.init_pg, self.pg_timeout_s, log_path),
+                          self.env, self.init_pg, self.pg_timeout_s, log_path, self.pg_options),
                     name=f"tdist-test-rank{rank}-ws{self.world_size}",
                     daemon=True,
                 )

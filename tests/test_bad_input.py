@@ -75,10 +75,13 @@ def test_bad_input_raises_on_every_rank(pool, case, world_size):
 
 @pytest.mark.tdist_only
 @pytest.mark.parametrize("var,value", [("TDIST_TRANSPORT", "bogus"), ("TDIST_HEAP_SIZE", "banana"),
-                                       ("TDIST_STREAMED_STEP_BLOCKS", "0"), ("TDIST_STREAMED_MIN_BLOCK_BYTES", "3000"),
-                                       ("TDIST_UNEVEN_ALL_TO_ALL", "yes"), ("TDIST_ASYNC_ERROR_HANDLING", "3")])
+                                       ("streamed_step_blocks", "0"), ("streamed_min_block_bytes", "3000"),
+                                       ("uneven_all_to_all", "yes"), ("TDIST_ASYNC_ERROR_HANDLING", "3"),
+                                       ("algorithm", "sentinel")])
 def test_bad_env_raises_at_group_creation(var, value):
-    pool = RankPool(2, backend_under_test(), env={var: value}, start_timeout=120,
+    """A bad variable (TDIST_*) or backend option (the others) raises at init_process_group."""
+    env, options = ({var: value}, None) if var.startswith("TDIST_") else (None, {var: value})
+    pool = RankPool(2, backend_under_test(), env=env, pg_options=options, start_timeout=120,
                     name=f"RankPool(ws=2, {var}={value})")
     try:
         with pytest.raises(PoolStartError) as info:

@@ -9,7 +9,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_ENV = dict(os.environ, TDIST_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-WITHOUT_PDL_ENV = dict(COMPILE_ENV, TDIST_DEPENDENT_LAUNCH="0")  # (AMD GPUs have none)
 
 
 @pytest.mark.timeout(660)  # a cold Triton cache: 4-5 minutes on 2 cores
@@ -22,13 +21,13 @@ def test_kernels_compile_for_sm90():
 
 @pytest.mark.timeout(300)
 def test_kernels_compile_without_dependent_launch():
-    """Where kernels are not launched with programmatic dependent launch (TDIST_DEPENDENT_LAUNCH=0,
-    AMD GPUs), wait_prior_kernels and start_next_kernel are no-ops that must compile too (they
-    were plain Python functions, which a compiled kernel may not call). The one-shot kernel calls
-    both."""
-    code = ("from torch_tdist import language; assert not language.DEPENDENT_LAUNCH; "
-            "from tests.compile_kernels import compile_first; compile_first('oneshot_kernel'); print('compiled')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=WITHOUT_PDL_ENV, capture_output=True, text=True,
+    """Where kernels have no programmatic dependent launch (AMD GPUs), wait_prior_kernels and
+    start_next_kernel are no-ops that must compile too (they were plain Python functions, which a
+    compiled kernel may not call). The one-shot kernel calls both."""
+    code = ("import sys; sys.argv[1:] = ['gfx942']; import tests.compile_kernels as ck; "
+            "from torch_tdist import language; assert not language.DEPENDENT_LAUNCH; "
+            "ck.compile_first('oneshot_kernel', 'gfx942'); print('compiled')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=COMPILE_ENV, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout
@@ -36,7 +35,7 @@ def test_kernels_compile_without_dependent_launch():
 
 @pytest.mark.timeout(660)  # a cold Triton cache: 3-4 minutes on 2 cores
 def test_kernels_compile_for_amd_mi300():
-    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "gfx942"], cwd=ROOT, env=WITHOUT_PDL_ENV,
+    proc = subprocess.run([sys.executable, "-m", "tests.compile_kernels", "gfx942"], cwd=ROOT, env=COMPILE_ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled" in proc.stdout and "for gfx942" in proc.stdout

@@ -78,8 +78,7 @@ def _run_ranks(target, world, *args):
 
 @pytest.mark.tdist_only
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all",
-                                "reduce_scatter streamed", "all_reduce streamed", "all_reduce twoshot",
-                                "all_reduce sentinel"])
+                                "reduce_scatter streamed", "all_reduce streamed", "all_reduce twoshot"])
 def test_survivors_raise_when_a_peer_is_killed(op):
     world = 3
     before = set(os.listdir("/dev/shm"))

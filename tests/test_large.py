@@ -20,12 +20,14 @@ from tests.multiproc import RankPool, backend_under_test
 _POOLS = {}
 
 
-def _pool(world_size, heap_size="16K", **env):
+def _pool(world_size, heap_size="16K", options=None, **env):
+    """A pool whose ranks have ``env`` and a 16K heap, their default group made with the backend
+    ``options``."""
     env = {"TDIST_HEAP_SIZE": heap_size, **env}
-    key = (world_size, tuple(sorted(env.items())))
+    key = (world_size, tuple(sorted(env.items())), tuple(sorted((options or {}).items())))
     if key not in _POOLS:
-        _POOLS[key] = RankPool(world_size, backend_under_test(), env=env,
-                               name=f"RankPool(ws={world_size}, {env})")
+        _POOLS[key] = RankPool(world_size, backend_under_test(), env=env, pg_options=options,
+                               name=f"RankPool(ws={world_size}, {env}, {options or {}})")
     return _POOLS[key]
 
 
@@ -37,7 +39,7 @@ def small_heap_pool(world_size):
 @pytest.fixture(params=["copy_engine", "sm"])
 def bulk_pool(world_size, request):
     # 12 KiB of bulk slots after its flags; pushes by copies or by the push kernel
-    yield _pool(world_size, "64K", TDIST_ALGORITHM="bulk", TDIST_BULK_PUSH=request.param)
+    yield _pool(world_size, "64K", {"bulk_push": request.param}, TDIST_ALGORITHM="bulk")
 
 
 @pytest.fixture
@@ -53,11 +55,6 @@ def lowlatency_pool(world_size):
 @pytest.fixture
 def twoshot_pool(world_size):
     yield _pool(world_size, "64K", TDIST_ALGORITHM="twoshot")  # 512-1024 bytes a slot: several rounds
-
-
-@pytest.fixture
-def sentinel_pool(world_size):
-    yield _pool(world_size, "2M", TDIST_ALGORITHM="sentinel")  # 4-8 KB a share
 
 
 def teardown_module():
@@ -175,34 +172,19 @@ def test_all_to_all_too_large_for_a_mailbox_raises_on_its_two_ranks_only(small_h
 @pytest.mark.parametrize("min_bytes", [16384, 4096, 2048, 16])
 def test_gpu_streamed_blocks_spread_a_short_share_over_the_programs(monkeypatch, min_bytes):
     """GPU launches (no interpreter) cut a streamed share into blocks of a power of two bytes, from
-    ``min_bytes`` (TDIST_STREAMED_MIN_BLOCK_BYTES) to STREAMED_BLOCK_BYTES; a block smaller than
+    ``min_bytes`` (the backend option streamed_min_block_bytes) to STREAMED_BLOCK_BYTES; a block smaller than
     that leaves no program without one and no more than one to a program."""
-    from torch_tdist import collectives as C
+    from torch_tdist.collectives import streamed as C
 
     monkeypatch.setattr(C, "STREAMED_BLOCK", None)
     monkeypatch.setattr(C, "ONESHOT_PROGRAMS", 132)
     for dtype in (torch.bfloat16, torch.float32):
         for share in (4, 4096, 100_000, 128 << 10, (132 << 11) + 4, 1 << 20, 3 << 20, 64 << 20):
             n = share // dtype.itemsize
-            nbytes = C._streamed_block(dtype, n, min_bytes) * dtype.itemsize
+            nbytes = C.streamed_block(dtype, n, min_bytes) * dtype.itemsize
             assert nbytes & (nbytes - 1) == 0 and min_bytes <= nbytes <= C.STREAMED_BLOCK_BYTES, (share, nbytes)
             blocks = -(-share // nbytes)
             if nbytes < C.STREAMED_BLOCK_BYTES:
                 assert blocks <= 132, (share, nbytes, blocks)
             if nbytes > min_bytes:
                 assert blocks > 132 // 2, (share, nbytes, blocks)
-
-
-@pytest.mark.tdist_only
-@ws_param([2, 3, 4])
-def test_sentinel_kernel(sentinel_pool, seed):
-    sentinel_pool.run(J.sentinel_all_reduces, seed, timeout=180)
-
-
-@pytest.mark.tdist_only
-@ws_param([2])
-def test_sentinel_calls_that_differ_across_ranks_raise_within_the_timeout(sentinel_pool, seed):
-    for rank, (first, took, second) in enumerate(sentinel_pool.run(J.sentinel_calls_that_differ, seed, timeout=60)):
-        assert "all_reduce" in first and "did not arrive" in first, f"rank {rank}: {first}"
-        assert took < 3 + 10, f"rank {rank}: raised after {took:.1f} s"
-        assert "stopped" in second, f"rank {rank}: the next call: {second}"

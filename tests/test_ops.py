@@ -28,19 +28,20 @@ def test_all_gather_matmul(pool, dtype, gather_dim, n_bs, seed):
 _FUSED = {}
 
 
-OVERLAPPED_WAYS = {  # id: the group's environment
-    "fused copy_engine": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "copy_engine"},
-    "fused sm": {"TDIST_OVERLAP": "fused", "TDIST_BULK_PUSH": "sm"},
-    "pipelined": {"TDIST_OVERLAP": "pipelined"},
+OVERLAPPED_WAYS = {  # id: the default group's backend options
+    "fused copy_engine": {"overlap": "fused", "bulk_push": "copy_engine"},
+    "fused sm": {"overlap": "fused", "bulk_push": "sm"},
+    "pipelined": {"overlap": "pipelined"},
 }
 
 
-def _pool(world_size: int, label: str, env: dict) -> RankPool:
-    """This module's pool of ``world_size`` ranks with ``env`` (``label`` names it), made on first
-    use and kept until teardown_module."""
+def _pool(world_size: int, label: str, options: dict) -> RankPool:
+    """This module's pool of ``world_size`` ranks whose default group has the backend ``options``
+    (``label`` names it), made on first use and kept until teardown_module."""
     key = (world_size, label)
     if key not in _FUSED:
-        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {label})", env=env)
+        _FUSED[key] = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, {label})",
+                               pg_options=options)
     return _FUSED[key]
 
 
@@ -54,7 +55,7 @@ def overlapped_pool(world_size, request):
 @pytest.fixture(params=["fused", "pipelined"])
 def small_heap_pool(world_size, request):
     """Overlapped ops asked for, with a 64K heap: shards larger than its bulk area go in rounds."""
-    yield _pool(world_size, f"{request.param}, 64K heap", {"TDIST_OVERLAP": request.param, "TDIST_HEAP_SIZE": "64K"})
+    yield _pool(world_size, f"{request.param}, 64K heap", {"overlap": request.param, "heap_size": "64K"})
 
 
 def teardown_module():
@@ -199,7 +200,8 @@ def test_program_graph_cache(monkeypatch):
     per capture."""
     import torch
 
-    from torch_tdist import collectives as C
+    from torch_tdist.collectives import executor as C
+    from torch_tdist.collectives import overlap_part
 
     class Graph:
         capturing = False
@@ -233,8 +235,8 @@ def test_program_graph_cache(monkeypatch):
     class Heap:
         device = "cuda"
 
-    monkeypatch.setattr(C, "PROGRAM_GRAPHS", 2)
-    monkeypatch.setattr(C, "CAPTURE_PAYBACK", 2)
+    monkeypatch.setattr(overlap_part, "PROGRAM_GRAPHS", 2)
+    monkeypatch.setattr(overlap_part, "CAPTURE_PAYBACK", 2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)

@@ -9,7 +9,7 @@ an end barrier follows, since a rank refills its area only once every peer has p
 reduce_scatter and all_reduce push: every rank pushes its data into its peers' slots in chunks,
 raising a flag after each chunk: with plain copies (on GPUs the copy engines, one side stream
 per peer, flags by ``stream_ops``) or by the first programs of the receiving kernel itself
-(``TDIST_BULK_PUSH``). One kernel on the receiving rank takes each chunk as soon as its flags are
+(the backend option ``bulk_push``). One kernel on the receiving rank takes each chunk as soon as its flags are
 up (``triton_kernels/bulk.py``), so reducing or copying out overlaps the transfer:
 
 - start barrier: raise ``start[me]`` on every peer, wait for every peer's, zero them (the
@@ -42,7 +42,7 @@ from .triton_kernels import bulk
 
 KMAX = 64  # most chunks per slot in a round
 # Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (the
-# receiving kernel's first PUSH_PROGRAMS programs). TDIST_BULK_PUSH chooses; by default the
+# receiving kernel's first PUSH_PROGRAMS programs). The backend option bulk_push chooses; by default the
 # copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB: benchmarks/results/
 # collectives_NVIDIA_H200-x4-bulk-sm.json against collectives_NVIDIA_H200-x4-bulk.json).
 PUSHERS = ("copy_engine", "sm")
@@ -126,7 +126,7 @@ class BulkPath:
         self.in_flight = False  # a call passed its start barrier and has not returned
         self.pusher = pusher or DEFAULT_PUSHER[heap.device.type]
         # beside a compute-bound receiving kernel (a GEMM, which wants every SM): the copy
-        # engines, unless TDIST_BULK_PUSH chose
+        # engines, unless the bulk_push option chose
         self.pusher_beside_compute = pusher or "copy_engine"
 
     # ---- heap addresses -----------------------------------------------------------------

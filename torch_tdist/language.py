@@ -16,13 +16,14 @@ with :func:`jit` (not ``triton.jit``) so the choice is made once, here.
 
 import ctypes
 import operator
-import os
 import time
 
 import numpy
 
 import triton
 import triton.language as tl
+
+from .config import decide_interpret
 
 HEAP_ALIGN = 256  # bytes; every heap base is a multiple of it (symm_at relies on it)
 
@@ -41,34 +42,23 @@ CTX_BASES = tl.constexpr(8)
 # word: the signal arrays the library's kernels wait on, MAX_REGIONS of (first slot's address,
 # slots per peer, peers), each peer's slots together, zeros after the last; then a word per
 # program (program % STUCK_RECORDS) where a GPU wait that was stuck when the group was aborted
-# leaves the address of the slot it waited on. The C++ watchdog names those slots' peers. (Words
-# from 128: triton_kernels/sentinel.py's trace, when it is on.)
+# leaves the address of the slot it waited on. The C++ watchdog names those slots' peers. A group
+# publishes as many regions as its registered algorithms declare (at most MAX_REGIONS).
 PAGE_REGIONS = tl.constexpr(8)
 MAX_REGIONS = tl.constexpr(12)
 PAGE_STUCK = tl.constexpr(48)
 STUCK_RECORDS = tl.constexpr(64)
 
 
-def _decide_interpret() -> bool:
-    forced = os.environ.get("TDIST_INTERPRET")
-    if forced in ("0", "1"):  # 0: compile even without a GPU (ahead-of-time compile checks)
-        return forced == "1"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-INTERPRET = _decide_interpret()
+INTERPRET = decide_interpret()
 """True when kernels run under the Triton interpreter (no GPU, or TDIST_INTERPRET=1)."""
 
 
 def _dependent_launch() -> bool:
     import torch
 
-    # (TDIST_DEPENDENT_LAUNCH=0 turns it off: plain stream order, for experiments)
-    return not INTERPRET and torch.version.hip is None and os.environ.get("TDIST_DEPENDENT_LAUNCH", "1") != "0"
+    # (a group may still launch without it: its config's dependent_launch)
+    return not INTERPRET and torch.version.hip is None
 
 
 DEPENDENT_LAUNCH = _dependent_launch()
@@ -470,14 +460,14 @@ else:
 
 
 if not DEPENDENT_LAUNCH:
-    # (jit functions, empty: a compiled kernel may call only those; TDIST_DEPENDENT_LAUNCH=0
-    # on NVIDIA GPUs compiles this branch)
+    # (jit functions, empty: a compiled kernel may call only those; AMD GPUs compile this branch)
     @jit
     def wait_prior_kernels():
         """Programmatic dependent launch: this kernel waits here until the kernel before it on
         the stream has finished and its memory is visible. Nothing before this call may read
         what earlier kernels write (the ctx tensor is safe). A no-op where kernels run one after
-        another anyway (the interpreter, AMD GPUs, TDIST_DEPENDENT_LAUNCH=0)."""
+        another anyway (the interpreter, AMD GPUs), and on NVIDIA GPUs where the kernel was
+        launched without it (a group's ``dependent_launch`` option off)."""
         pass
 
     @jit
