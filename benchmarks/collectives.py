@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
 from timing import in_turn, slowest, start_job, time_loop_us, write_result  # noqa: E402
-from torch_tdist.heap import parse_size  # noqa: E402
+from torch_tdist.config import parse_size  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
 _async_op = False  # --async-op

@@ -12,8 +12,6 @@ transports that hand out handles, exchanges them through the group's store.
 
 import ctypes
 import mmap
-import os
-import re
 import socket
 import weakref
 from datetime import timedelta
@@ -26,32 +24,6 @@ from .transports.shm import SHM_DIR, ShmSegment as _ShmSegment, shm_segment_name
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str, what: str = "TDIST_HEAP_SIZE") -> int:
-    """Bytes from ``"268435456"``, ``"256M"``, ``"256MiB"``, ``"1g"``..."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
-    if not match or int(match.group(1)) <= 0:
-        raise ValueError(
-            f"tdist: {what}={text!r} is not a heap size; expected a positive number of bytes "
-            f"such as 268435456, 256M or 1G")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
-
-
-def heap_options(options=None) -> tuple[str, int | None]:
-    """(transport, heap bytes) from the backend options or TDIST_TRANSPORT / TDIST_HEAP_SIZE
-    (None: the device's default, DEFAULT_HEAP_BYTES)."""
-    options = options or {}
-    transport = str(options.get("transport") or os.environ.get("TDIST_TRANSPORT") or "auto").lower()
-    if transport not in TRANSPORTS:
-        raise ValueError(
-            f"tdist: unknown transport {transport!r} (TDIST_TRANSPORT or the backend option "
-            f"'transport'); expected one of {', '.join(TRANSPORTS)}")
-    size = options.get("heap_size") or os.environ.get("TDIST_HEAP_SIZE")
-    return transport, None if size is None else parse_size(size)
-
 
 def _spans_nodes(store, key: str, rank: int, world_size: int, timeout: timedelta) -> bool:
     store.set(f"{key}/host/{rank}", socket.gethostname())

@@ -21,7 +21,8 @@ from .launch import device_kind, run_local  # sets the NVLink-multicast safety v
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from .heap import parse_size, shm_segment_names  # noqa: E402
+from .config import parse_size  # noqa: E402
+from .heap import shm_segment_names  # noqa: E402
 
 OPS = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
        "all_to_all_single", "broadcast", "reduce", "scatter", "gather")
