@@ -2,7 +2,7 @@
 default group, outputs and gradients against float64 references every rank computes alone
 (every rank's operands come from shared generators), and their bad input.
 
-Errors are relative: ||got - want|| / ||want||, at most 1e-2 for 16-bit dtypes (issue 4's bound),
+Errors are relative: ||got - want|| / ||want||, at most 1e-2 for 16-bit dtypes,
 1e-5 for float32.
 """
 

@@ -1068,6 +1068,7 @@ class Executor:
         return found
 
     def close_attached(self):
+        """Close what ``attached`` made (from ``close``, while the heap is still there)."""
         for found in self.__dict__.get("_attached", {}).values():
             found.close()
 

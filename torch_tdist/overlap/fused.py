@@ -10,7 +10,7 @@ from .. import language
 from ..bulk import KMAX
 from ..bulk import aligned as _aligned
 from ..bulk import vector as _vector
-from ..triton_kernels import overlap
+from ..triton_kernels import overlap as kernels
 
 # Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
 # H100/H200 bf16 shapes, the first the default of "fused".
@@ -39,7 +39,7 @@ def all_gather_matmul(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
 
         def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
             aligned = _aligned(dtype, (slot_stride, chunk, push_args[1], row0 * k))
-            executor.launch(op, overlap.ag_gemm_kernel, (grid,), ctx, own, slots, slot_stride, ready,
+            executor.launch(op, kernels.ag_gemm_kernel, (grid,), ctx, own, slots, slot_stride, ready,
                             b, out, a_out, rows, row0, m, n, k, b.stride(0), b.stride(1), chunk, n_chunks,
                             *push_args, **bulk.kernel_meta(dtype), **tiles,
                             ALIGN=_vector(dtype) if aligned else 1, PUSHERS=pushers,
@@ -67,7 +67,7 @@ def matmul_reduce_scatter(state, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     for row0, rows in rounds:
 
         def produce(slots, slot_stride, ready, counters):
-            executor.launch(op, overlap.gemm_rs_kernel, (GEMM_PROGRAMS,), ctx, a, b, slots,
+            executor.launch(op, kernels.gemm_rs_kernel, (GEMM_PROGRAMS,), ctx, a, b, slots,
                             slot_stride, ready, counters, rows, row0, m, n, a.shape[1], a.stride(0), a.stride(1),
                             b.stride(0), b.stride(1), ME=executor.rank, WORLD=executor.world_size, KMAX=KMAX,
                             IEEE=out.dtype == torch.float32, UPCAST=language.INTERPRET, **tiles, **warps)
