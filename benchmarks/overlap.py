@@ -124,7 +124,7 @@ def main():
         _symmetric_memory.enable_symm_mem_for_group(symm_group_name)
     except Exception as err:  # noqa: BLE001 - recorded, the other columns still run
         print(f"symm_mem unavailable: {err}")
-    executor = torch_tdist.get_executor(tdist_group)
+    tuning = torch_tdist.overlap.state(tdist_group).tuning
     gen = torch.Generator(device).manual_seed(1234 + rank)
     rows = []
     for op in args.ops.split(","):
@@ -136,12 +136,12 @@ def main():
             fused_out, pipelined_out = calls["fused"](), calls["pipelined"]()
             error = _relative_error(fused_out, want)
             by_shard = [round(_relative_error(f, w), 5) for f, w in zip(fused_out.chunk(world), want.chunk(world))]
-            tuned_before = dict(executor.tuned)
+            tuned_before = dict(tuning.tuned)
             calls["tdist"]()  # tunes this shape class
-            new_key = next((key for key in executor.tuned if key not in tuned_before), None)
-            path = executor.tuned[new_key] if new_key else "tuned before"
+            new_key = next((key for key in tuning.tuned if key not in tuned_before), None)
+            path = tuning.tuned[new_key] if new_key else "tuned before"
             row = {"op": op, "M": m, "N": n, "K": k, "world_size": world, "path": path,
-                   "tuning_us": executor.tuning_us.get(new_key),
+                   "tuning_us": tuning.tuning_us.get(new_key),
                    "relative_error": round(error, 5), "relative_error_by_shard": by_shard,
                    "pipelined_relative_error": round(_relative_error(pipelined_out, want), 5)}
             timers = {}

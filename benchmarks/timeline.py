@@ -35,7 +35,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--host", type=int, default=0, help="profile the host in this many calls")
     parser.add_argument("--chunks", type=int, default=0, help="--overlap pipelined: chunks per rank's part "
-                        "(default: the first of collectives.PIPELINE_CHUNKS)")
+                        "(default: the first of torch_tdist.overlap.pipelined.PIPELINE_CHUNKS)")
     args = parser.parse_args()
     rank, world, device = start_job()
     os.environ["TDIST_OVERLAP"] = args.overlap

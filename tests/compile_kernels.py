@@ -34,7 +34,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
-from torch_tdist.collectives import GEMM_CONFIGS, ONESHOT_TILE_BYTES  # noqa: E402
+from torch_tdist.collectives import ONESHOT_TILE_BYTES  # noqa: E402
+from torch_tdist.overlap.fused import GEMM_CONFIGS  # noqa: E402
 from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed, twoshot  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")

@@ -22,7 +22,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
+from torch_tdist import overlap  # noqa: E402
 from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
+from torch_tdist.overlap import pipelined  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.uint8)
@@ -692,17 +694,17 @@ def fused_ops(tg, rank, world, device, gen):
         repeats = 2 if label == "pipelined" else 1
         for _ in range(repeats):
             _ops_against_nccl(og, label, rank, world, device, gen)
-        executor = torch_tdist.get_executor(og)
-        served = executor.fused_calls["all_gather_matmul"]
+        state = overlap.state(og)
+        served = state.fused_calls["all_gather_matmul"]
         if served != 2 * repeats:
             _failures.append(f"{label}: {served} calls overlapped, expected {2 * repeats}")
-        replayed = executor.replayed_calls
+        replayed = state.replays.replayed_calls
         if label == "pipelined" and min(replayed["all_gather_matmul"], replayed["matmul_reduce_scatter"]) < 2:
             _failures.append(f"pipelined: calls replayed from C++: {dict(replayed)}, expected 2 or more of each op")
     tuned = _tdist_group({"overlap": "tune"})  # every way runs while tuning
     _ops_against_nccl(tuned, "tuned", rank, world, device, gen)
     if rank == 0:
-        print(f"fused_ops: tuning chose {torch_tdist.get_executor(tuned).tuned}", flush=True)
+        print(f"fused_ops: tuning chose {overlap.state(tuned).tuning.tuned}", flush=True)
 
 
 def _in_turn(side, first, then):
@@ -744,7 +746,7 @@ def fused_after_async(tg, rank, world, device, gen):
                            lambda: torch_tdist.ops.all_gather_matmul(x.view(m, k), b, group=og))
             _check(f"{label} async all_reduce, call {call}", x, summed)
             _relative(f"{label} all_gather_matmul of the all_reduce's tensor, call {call}", out, a_full @ b.float())
-        if torch_tdist.get_executor(og).fused_calls["all_gather_matmul"] != 2:
+        if overlap.state(og).fused_calls["all_gather_matmul"] != 2:
             _failures.append(f"{label}: the op did not take the overlapped way")
 
 
@@ -788,12 +790,12 @@ def fallback_in_order(tg, rank, world, device, gen):
 
 
 def pipelined_graphs(tg, rank, world, device, gen):
-    """Pipelined ops replayed as CUDA graphs (Executor._run_program): the same tensors, refilled
+    """Pipelined ops replayed as CUDA graphs (overlap.replay.ProgramReplay.run_program): the same tensors, refilled
     with fresh random data and the outputs poisoned before every call, so that calls from the
     third on replay a graph; each call's outputs against NCCL + torch.matmul in float32."""
     if NVSHMEM:
         return
-    executor = torch_tdist.get_executor(_tdist_group({"overlap": "pipelined"}))
+    state = overlap.state(_tdist_group({"overlap": "pipelined"}))
     m, n, k, calls = 256, 512, 384, 5
 
     def empty(*shape):
@@ -805,8 +807,8 @@ def pipelined_graphs(tg, rank, world, device, gen):
             t.copy_(torch.randn(t.shape, device=device, generator=gen))
         for t in (out, a_out, rs_out):
             t.fill_(float("nan"))
-        if not (executor.all_gather_matmul_pipelined(a, b, out, a_out, 2)
-                and executor.matmul_reduce_scatter_pipelined(rs_a, b, rs_out, "sum", 2)):
+        if not (pipelined.all_gather_matmul(state, a, b, out, a_out, 2)
+                and pipelined.matmul_reduce_scatter(state, rs_a, b, rs_out, "sum", 2)):
             _failures.append("pipelined_graphs: the heap did not take the pipelined ops")
             return
         a_full = torch.empty(world * m, k, device=device)
@@ -818,8 +820,8 @@ def pipelined_graphs(tg, rank, world, device, gen):
         _relative(f"graphs matmul_reduce_scatter call {call}", rs_out, want)
     global _checked
     _checked += 1
-    if executor.graph_calls != 2 * (calls - 2):
-        _failures.append(f"pipelined_graphs: {executor.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
+    if state.replays.graph_calls != 2 * (calls - 2):
+        _failures.append(f"pipelined_graphs: {state.replays.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
 
 
 def pipelined_tf32_switch(tg, rank, world, device, gen):
@@ -829,7 +831,7 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
     not: the check fails if they are not, since it could not tell the two apart)."""
     if NVSHMEM:
         return
-    executor = torch_tdist.get_executor(_tdist_group({"overlap": "pipelined"}))
+    state = overlap.state(_tdist_group({"overlap": "pipelined"}))
     m, n, k = 256, 512, 384
     a = torch.empty(m, k, device=device)
     b = torch.empty(k, n, device=device)
@@ -842,7 +844,7 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
                 a.copy_(torch.randn(a.shape, device=device, generator=gen))
                 b.copy_(torch.randn(b.shape, device=device, generator=gen))
                 out.fill_(float("nan"))
-                if not executor.all_gather_matmul_pipelined(a, b, out, a_out, 2):
+                if not pipelined.all_gather_matmul(state, a, b, out, a_out, 2):
                     _failures.append("pipelined_tf32_switch: the heap did not take the pipelined op")
                     return
                 a_full = torch.empty(world * m, k, device=device, dtype=torch.float64)
@@ -857,8 +859,8 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
                                      f"relative error {err:.3g}")
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
-    if executor.graph_calls < 2:
-        _failures.append(f"pipelined_tf32_switch: {executor.graph_calls} calls replayed as graphs, expected 2 or more")
+    if state.replays.graph_calls < 2:
+        _failures.append(f"pipelined_tf32_switch: {state.replays.graph_calls} calls replayed as graphs, expected 2 or more")
 
 
 def pipelined_back_to_back(tg, rank, world, device, gen):
@@ -871,7 +873,7 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
     if NVSHMEM:
         return
     group = _tdist_group({"overlap": "pipelined", "algorithm": "bulk"})
-    executor = torch_tdist.get_executor(group)
+    state = overlap.state(group)
     m, n, k, rounds = 256, 512, 384, 3
 
     def rand(*shape):
@@ -894,9 +896,9 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
             if (i + rank) % world == 0:
                 torch.cuda._sleep(100_000 * (1 + rank))  # tens of microseconds
             if kind == "ag":
-                ok = executor.all_gather_matmul_pipelined(x, b, outs[0], outs[1], 2)
+                ok = pipelined.all_gather_matmul(state, x, b, outs[0], outs[1], 2)
             elif kind == "rs":
-                ok = executor.matmul_reduce_scatter_pipelined(x, b, outs[0], "sum", 2)
+                ok = pipelined.matmul_reduce_scatter(state, x, b, outs[0], "sum", 2)
             else:
                 outs[0].copy_(x)
                 dist.all_reduce(outs[0], group=group)
@@ -919,7 +921,7 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
                 want = x.float()
                 dist.all_reduce(want)
                 _relative(label, outs[0], want)
-    if executor.graph_calls == 0:
+    if state.replays.graph_calls == 0:
         _failures.append("pipelined_back_to_back: no call was replayed as a CUDA graph")
 
 
@@ -938,7 +940,7 @@ def pipelined_in_user_graph(tg, rank, world, device, gen):
 
 
 def _ops_in_user_graph(policy, group, world, device, gen):
-    executor = torch_tdist.get_executor(group)
+    state = overlap.state(group)
     m, n, k, replays = 256, 512, 384, 4
 
     def rand(*shape):
@@ -957,7 +959,7 @@ def _ops_in_user_graph(policy, group, world, device, gen):
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(warm)
-    own_graph_calls = executor.graph_calls
+    own_graph_calls = state.replays.graph_calls
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
@@ -977,7 +979,7 @@ def _ops_in_user_graph(policy, group, world, device, gen):
         summed = x.float()
         dist.all_reduce(summed)
         _relative(f"{label} all_reduce", outs[2], summed)
-    if executor.graph_calls != own_graph_calls:
+    if state.replays.graph_calls != own_graph_calls:
         _failures.append(f"{policy} in a user graph: a call inside the capture replayed the executor's own graph")
 
 

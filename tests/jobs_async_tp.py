@@ -51,7 +51,7 @@ def fused_ops_dispatch(rank, ws, seed):
     chk.true(torch._inductor.config._micro_pipeline_tp, "pass on", "enable() left the pass off")
     chk.true(is_symm_mem_enabled_for_group(tdist_group.group_name), "symm_mem enabled", "not for the tdist group")
     chk.true(not is_symm_mem_enabled_for_group(gloo_group.group_name), "gloo untouched", "gloo got symm_mem")
-    executor = torch_tdist.get_executor(tdist_group)
+    state = torch_tdist.overlap.state(tdist_group)
     name = tdist_group.group_name
 
     for gather_dim in (0, 1, 2):
@@ -59,14 +59,14 @@ def fused_ops_dispatch(rank, ws, seed):
         bs = [rand((DIM if gather_dim != 2 else DIM * ws, n), torch.float32, shared_gen(seed, 10 + n))
               for n in (8, 16)]
         a_full = _gathered(a_shard, gather_dim, gloo_group)
-        before, fused = dict(async_tp.served), executor.fused_calls["all_gather_matmul"]
+        before, fused = dict(async_tp.served), state.fused_calls["all_gather_matmul"]
         got_a, got = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, name, return_A=True)
         chk.close(got_a, a_full, f"gathered A, dim {gather_dim}")
         for i, b in enumerate(bs):
             chk.products_close(got[i], a_full.double() @ b.double(), f"A @ B[{i}], dim {gather_dim}")
         chk.true(async_tp.served["fused_all_gather_matmul"] == before.get("fused_all_gather_matmul", 0) + 1,
                  f"served, dim {gather_dim}", "the call was not counted")
-        overlapped = executor.fused_calls["all_gather_matmul"] - fused
+        overlapped = state.fused_calls["all_gather_matmul"] - fused
         chk.true(overlapped == (gather_dim != 2), f"overlapped, dim {gather_dim}",
                  f"{overlapped} overlapped calls")
         none_a, _ = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gather_dim, name, return_A=False)
@@ -76,11 +76,11 @@ def fused_ops_dispatch(rank, ws, seed):
         k = 12
         a = rand((2 * ws, 2 * ws, k), torch.float32, rank_gen(seed, rank, 20 + scatter_dim))
         b = rand((k, 4 * ws), torch.float32, rank_gen(seed, rank, 30 + scatter_dim))
-        fused = executor.fused_calls["matmul_reduce_scatter"]
+        fused = state.fused_calls["matmul_reduce_scatter"]
         got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, reduce_op, scatter_dim, name)
         chk.products_close(got, _scattered(a.double() @ b.double(), scatter_dim, reduce_op, gloo_group),
                            f"{reduce_op} along {scatter_dim}")
-        overlapped = executor.fused_calls["matmul_reduce_scatter"] - fused
+        overlapped = state.fused_calls["matmul_reduce_scatter"] - fused
         chk.true(overlapped == (scatter_dim != 2), f"overlapped, scatter dim {scatter_dim}",
                  f"{overlapped} overlapped calls")
 
@@ -107,12 +107,12 @@ def fused_ops_dispatch(rank, ws, seed):
     # dtypes tdist's ops do not take (float64) run torch's sequential form on the tdist group
     a_shard = rand((2 * ws, DIM), torch.float64, rank_gen(seed, rank, 70))
     b64 = rand((DIM, 8), torch.float64, shared_gen(seed, 71))
-    fused = dict(executor.fused_calls)
+    fused = dict(state.fused_calls)
     _, got = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b64], 0, name, return_A=False)
     chk.products_close(got[0], _gathered(a_shard, 0, gloo_group) @ b64, "float64 gather")
     got = torch.ops.symm_mem.fused_matmul_reduce_scatter(a_shard, b64, "sum", 0, name)
     chk.products_close(got, _scattered(a_shard @ b64, 0, "sum", gloo_group), "float64 scatter")
-    chk.true(dict(executor.fused_calls) == fused, "float64 not overlapped", f"{executor.fused_calls}")
+    chk.true(dict(state.fused_calls) == fused, "float64 not overlapped", f"{state.fused_calls}")
     try:
         torch.ops.symm_mem.fused_matmul_reduce_scatter(b.new_ones(4, 4), b.new_ones(4, 4), "sum", 0,
                                                        gloo_group.group_name)
@@ -150,18 +150,18 @@ def compiled_mlp(rank, ws, seed, batch):
                         "w2": RowwiseParallel(output_layouts=Shard(1))})
     compiled = copy.deepcopy(eager)
     compiled.compile()
-    executor = torch_tdist.get_executor(tdist_group)
+    state = torch_tdist.overlap.state(tdist_group)
     x_full = rand((batch, 4 * ws, DIM), torch.float32, shared_gen(seed, 1))
     x_local = x_full.chunk(ws, dim=1)[rank].contiguous()
     want_out, want_dx, want_grads = _step(eager, x_local)
-    served, fused = dict(async_tp.served), dict(executor.fused_calls)
+    served, fused = dict(async_tp.served), dict(state.fused_calls)
     got_out, got_dx, got_grads = _step(compiled, x_local)
     chk.products_close(got_out, want_out, "output")
     chk.products_close(got_dx, want_dx, "input gradient")
     for param, want in want_grads.items():
         chk.products_close(got_grads[param], want, f"gradient of {param}")
     regions = {op: async_tp.served[op] - served.get(op, 0) for op in async_tp.served}
-    overlapped = {op: executor.fused_calls[op] - fused.get(op, 0) for op in executor.fused_calls}
+    overlapped = {op: state.fused_calls[op] - fused.get(op, 0) for op in state.fused_calls}
     chk.true(regions.get("fused_all_gather_matmul", 0) >= 2 and regions.get("fused_matmul_reduce_scatter", 0) >= 3,
              "fused regions", f"served {regions}, expected 2 gathers and 3 scatters")
     chk.true(overlapped.get("all_gather_matmul", 0) >= 2 and overlapped.get("matmul_reduce_scatter", 0) >= 3,

@@ -2,7 +2,7 @@
 default group, outputs and gradients against float64 references every rank computes alone
 (every rank's operands come from shared generators), and their bad input.
 
-Errors are relative: ||got - want|| / ||want||, at most 1e-2 for 16-bit dtypes (the overlap ops' bound),
+Errors are relative: ||got - want|| / ||want||, at most 1e-2 for 16-bit dtypes,
 1e-5 for float32.
 """
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import torch_tdist
 from tests.common import Checker, dt, rand, shared_gen
+from torch_tdist.overlap import pipelined
 
 
 def _operand(shape, d, seed, salt):
@@ -29,8 +30,8 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fu
     d = dt(dtype)
     m, k, ns = SHAPES[shape]
     ns = ns[:n_bs]
-    executor = torch_tdist.get_executor()
-    fused_before = executor.fused_calls["all_gather_matmul"]
+    state = torch_tdist.overlap.state()
+    fused_before = state.fused_calls["all_gather_matmul"]
     full_shape = [ws * m, k] if gather_dim == 0 else [2, ws * m, k]
     a_full = _operand(full_shape, d, seed, 1)
     a_shard = a_full.chunk(ws, dim=gather_dim)[rank].clone().requires_grad_()
@@ -44,7 +45,7 @@ def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fu
                                                     gather_dim=gather_dim, return_a=True)
     outs = outs if n_bs > 1 else [outs]
     chk.equal(got_a, a_full, "gathered A")
-    served = executor.fused_calls["all_gather_matmul"] - fused_before
+    served = state.fused_calls["all_gather_matmul"] - fused_before
     chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     for i, out in enumerate(outs):
         chk.products_close(out, a_full.double() @ bs[rank][i].double(), f"output {i}")
@@ -66,8 +67,8 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     d = dt(dtype)
     m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50), "big": (300, 40, 50)}[shape]
     lead = [ws * m] if scatter_dim == 0 else [2, ws * m]
-    executor = torch_tdist.get_executor()
-    fused_before = executor.fused_calls["matmul_reduce_scatter"]
+    state = torch_tdist.overlap.state()
+    fused_before = state.fused_calls["matmul_reduce_scatter"]
     a = {r: _operand([*lead, k], d, seed, 300 + r) for r in range(ws)}
     b = {r: _operand([k, n], d, seed, 400 + r) for r in range(ws)}
     w = {r: _operand([*lead, n], d, seed, 500 + r).chunk(ws, dim=scatter_dim)[r] for r in range(ws)}
@@ -77,7 +78,7 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     out = torch_tdist.ops.matmul_reduce_scatter(mine_a, mine_b, scatter_dim=scatter_dim, reduce_op=reduce_op)
     total = sum(a[r].double() @ b[r].double() for r in range(ws)) * scale
     chk.products_close(out, total.chunk(ws, dim=scatter_dim)[rank], "output")
-    served = executor.fused_calls["matmul_reduce_scatter"] - fused_before
+    served = state.fused_calls["matmul_reduce_scatter"] - fused_before
     chk.true(served == int(fused), "path", f"{served} calls by the overlapping kernel, expected {int(fused)}")
     (out * w[rank]).sum().backward()
 
@@ -89,18 +90,18 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
 
 
 def pipelined_reduce_scatter(rank, ws, dtype, seed, reduce_op, chunks):
-    """The executor's pipelined matmul_reduce_scatter (BulkPath.reduce_scatter_pipelined),
+    """The pipelined matmul_reduce_scatter (overlap.pipelined, BulkPath.reduce_scatter_pipelined),
     ``chunks`` chunks a part, twice on fresh operands into a poisoned output (the second call
     must find the flags the first raised cleared)."""
     chk = Checker(rank, f"matmul_reduce_scatter_pipelined[{dtype}, {reduce_op}, {chunks} chunks]")
     d = dt(dtype)
     m, k, n = 9, 40, 50
-    executor = torch_tdist.get_executor()
+    state = torch_tdist.overlap.state()
     for call in range(2):
         a = {r: _operand([ws * m, k], d, seed, 800 + 10 * call + r) for r in range(ws)}
         b = {r: _operand([k, n], d, seed, 900 + 10 * call + r) for r in range(ws)}
         out = torch.full((m, n), float("nan"), dtype=d)
-        ran = executor.matmul_reduce_scatter_pipelined(a[rank], b[rank], out, reduce_op, chunks)
+        ran = pipelined.matmul_reduce_scatter(state, a[rank], b[rank], out, reduce_op, chunks)
         chk.true(ran, "path", "the heap did not take the pipelined op")
         total = sum(a[r].double() @ b[r].double() for r in range(ws)) / (ws if reduce_op == "avg" else 1)
         chk.products_close(out, total.chunk(ws)[rank], f"output of call {call}")
@@ -164,12 +165,12 @@ def tuned_choices(rank, ws, seed):
     (all_gather_matmul with two B widths, the same on every rank: q/k/v's and an MLP's); returns
     what the group chose per shape class, and how many overlapped calls the second calls made."""
     chk = Checker(rank, "tuned ops")
-    executor = torch_tdist.get_executor()
+    state = torch_tdist.overlap.state()
     m, k, n = 20, 24, 18
     a_full = _operand([ws * m, k], torch.float32, seed, 1)
     bs = [_operand([k, width], torch.float32, seed, 2 + rank) for width in (n, 7)]
     for _ in range(2):
-        before = sum(executor.fused_calls.values())
+        before = sum(state.fused_calls.values())
         for b in bs:
             chk.products_close(torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b),
                    a_full.double() @ b.double(), f"all_gather_matmul n={b.shape[1]}")
@@ -178,9 +179,9 @@ def tuned_choices(rank, ws, seed):
         total = sum(parts[r].double() @ weights[r].double() for r in range(ws))
         chk.products_close(torch_tdist.ops.matmul_reduce_scatter(parts[rank], weights[rank]), total.chunk(ws)[rank],
                "matmul_reduce_scatter")
-        fused_in_call = sum(executor.fused_calls.values()) - before
+        fused_in_call = sum(state.fused_calls.values()) - before
     chk.done()
-    return sorted((str(key), way) for key, way in executor.tuned.items()), fused_in_call
+    return sorted((str(key), way) for key, way in state.tuning.tuned.items()), fused_in_call
 
 
 def uneven_columns(rank, ws, seed):
@@ -199,9 +200,9 @@ def uneven_columns(rank, ws, seed):
         else:
             chk.true(out.shape == (ws * m, 0), f"n={n}", f"shape {tuple(out.shape)}")
     chk.done()
-    executor = torch_tdist.get_executor()
-    return ([str(c) for c in executor.uneven_classes],
-            sorted(str(key) for key in executor.tuned if key[:4] == ("all_gather_matmul", torch.float32, 16, k)))
+    tuning = torch_tdist.overlap.state().tuning
+    return ([str(c) for c in tuning.uneven_classes],
+            sorted(str(key) for key in tuning.tuned if key[:4] == ("all_gather_matmul", torch.float32, 16, k)))
 
 
 def opchecks(rank, ws):

@@ -135,20 +135,20 @@ def styles_match_torch(rank, ws, seed, model):
     parallelize_module(reference, _mesh(gloo_group, f"gloo {model} {seed}"), _plan(torch_styles, model))
     parallelize_module(ours, _mesh(tdist_group, f"tdist {model} {seed}"), _plan(tdist_styles, model))
 
-    executor = torch_tdist.get_executor(tdist_group)
+    state = torch_tdist.overlap.state(tdist_group)
     seq = 4 * ws
     for step in range(2):
         x_full = rand((2, seq, DIM), torch.float32, shared_gen(seed, 10 + step))
         x_local = x_full.chunk(ws, dim=1)[rank].contiguous()
-        before = dict(executor.fused_calls)
+        before = dict(state.fused_calls)
         want_out, want_dx, want_grads = _step(reference, x_local)
         got_out, got_dx, got_grads = _step(ours, x_local)
         chk.close(got_out, want_out, f"step {step}: output")
         chk.close(got_dx, want_dx, f"step {step}: input gradient")
         for name, want in want_grads.items():
             chk.close(got_grads[name], want, f"step {step}: gradient of {name}")
-        gathers = executor.fused_calls["all_gather_matmul"] - before.get("all_gather_matmul", 0)
-        scatters = executor.fused_calls["matmul_reduce_scatter"] - before.get("matmul_reduce_scatter", 0)
+        gathers = state.fused_calls["all_gather_matmul"] - before.get("all_gather_matmul", 0)
+        scatters = state.fused_calls["matmul_reduce_scatter"] - before.get("matmul_reduce_scatter", 0)
         # forward: one gather per input the column-wise linears share (mlp: w1; block: q/k/v and
         # w1/w3), one scatter per row-wise linear; backward: each op's gradient is the other op
         expected = 2 if model == "mlp" else 4
@@ -176,19 +176,19 @@ def torch_style_elsewhere(rank, ws, seed):
     chk = Checker(rank, "parallel styles, unfused")
     tdist_group = new_group_with_env("tdist", {"TDIST_OVERLAP": "pipelined"})
     gloo_group = new_group_with_env("gloo")
-    executor = torch_tdist.get_executor(tdist_group)
+    state = torch_tdist.overlap.state(tdist_group)
     torch.manual_seed(seed)
     embed, mlp = nn.Embedding(16, DIM), MLP()
     x = torch.randint(0, 16, (2, 5), generator=shared_gen(seed, 1))
     want = mlp(embed(x)).detach()
     for group in (tdist_group, gloo_group):
-        before = sum(executor.fused_calls.values())
+        before = sum(state.fused_calls.values())
         mesh = _mesh(group, f"{dist.get_backend(group)} unfused {seed}")
         e, m = copy.deepcopy(embed), copy.deepcopy(mlp)
         parallelize_module(e, mesh, tdist_styles.RowwiseParallel(input_layouts=Replicate()))
         parallelize_module(m, mesh, {"w1": tdist_styles.ColwiseParallel(), "w2": tdist_styles.RowwiseParallel()})
         chk.close(m(e(x)).detach(), want, f"embedding + MLP on a {dist.get_backend(group)} mesh")
-        chk.true(sum(executor.fused_calls.values()) == before, "no tdist op", "an overlapped op was called")
+        chk.true(sum(state.fused_calls.values()) == before, "no tdist op", "an overlapped op was called")
     dist.destroy_process_group(tdist_group)
     dist.destroy_process_group(gloo_group)
     chk.done()

@@ -5,7 +5,6 @@ clear error, the same on every rank, for each kind of bad input."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import pytest
@@ -193,15 +192,14 @@ def test_runs_of_rows():
 
 
 def test_program_graph_cache(monkeypatch):
-    """Executor._run_program's policy, with CUDA stood in for: a recorded program runs step by
+    """ProgramReplay.run_program's policy, with CUDA stood in for: a recorded program runs step by
     step the first time its tensors are at given addresses, is captured the second time and
     replayed from its graph afterwards; the least recently used graph goes beyond PROGRAM_GRAPHS;
     past PROGRAM_GRAPHS captures, another is made only once graph replays number CAPTURE_PAYBACK
     per capture."""
     import torch
 
-    from torch_tdist.collectives import executor as C
-    from torch_tdist.collectives import overlap_part
+    from torch_tdist.overlap import replay
 
     class Graph:
         capturing = False
@@ -235,30 +233,29 @@ def test_program_graph_cache(monkeypatch):
     class Heap:
         device = "cuda"
 
-    monkeypatch.setattr(overlap_part, "PROGRAM_GRAPHS", 2)
-    monkeypatch.setattr(overlap_part, "CAPTURE_PAYBACK", 2)
+    class Executor:
+        heap = Heap()
+
+    monkeypatch.setattr(replay, "PROGRAM_GRAPHS", 2)
+    monkeypatch.setattr(replay, "CAPTURE_PAYBACK", 2)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    executor = C.Executor.__new__(C.Executor)
-    executor._heap = Heap()
-    executor._program_graphs, executor._program_addresses = collections.OrderedDict(), collections.OrderedDict()
-    executor._graph_stream = executor._graph_pool = None
-    executor._captures = executor.graph_calls = 0
+    replays = replay.ProgramReplay(Executor())
     program = Program()
     at = {address: [Role(address), Role(address + 1)] for address in (100, 200, 300)}
 
     def calls(*addresses):
         for address in addresses:
-            executor._run_program(program, at[address])
-        return program.steps_runs, program.captures, executor.graph_calls
+            replays.run_program(program, at[address])
+        return program.steps_runs, program.captures, replays.graph_calls
 
     assert calls(100, 100, 100, 100) == (1, 1, 3)  # steps, then captured once and replayed
     assert calls(200, 200, 300) == (3, 2, 4)  # 300 seen once: steps
     assert calls(300) == (3, 3, 5)  # captures paid for (5 replays >= 2 x 2): captured
-    assert len(executor._program_graphs) == 2  # the graph at 100 went (least recently used)
+    assert len(replays.graphs) == 2  # the graph at 100 went (least recently used)
     assert calls(100) == (4, 3, 5)  # 3 captures want 6 replays: steps
     assert calls(200, 100) == (4, 4, 7)  # 6 replays: 100 captured again, 300's graph going
     assert calls(300, 200, 300) == (5, 5, 9)  # 4 captures want 8 replays: steps, then (after 200's) captured

@@ -35,7 +35,8 @@ from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import is_tdist_group
-from .ops import DTYPES, _group as _resolve_group, with_strides
+from .overlap.custom_ops import DTYPES, with_strides
+from .overlap.custom_ops import group_by_name as _resolve_group
 
 __all__ = ["enable", "served"]
 

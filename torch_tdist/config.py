@@ -35,6 +35,12 @@ import dataclasses
 import os
 import re
 
+# How torch_tdist.ops run (TDIST_OVERLAP): "sequential" (the collective, then torch.matmul),
+# "pipelined" (copy engines and torch.matmul chunk by chunk), "fused" (the overlapping Triton
+# kernels), "tune" (a shape's first call times every way and keeps the fastest), "auto" (tune on
+# GPUs, sequential on the CPU).
+OVERLAPS = ("auto", "fused", "pipelined", "sequential", "tune")
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _OFF_ON = {"0": False, "1": True}
 

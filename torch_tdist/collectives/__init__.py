@@ -9,7 +9,8 @@
 - ``context.py``: the heap laid out from what the algorithms declare, and the call context
   they launch through;
 - ``executor.py``: the :class:`Executor` the C++ backend calls, one per group; ``plans.py``:
-  launch plans for C++ to replay; ``overlap_part.py``: the overlap ops' part of it.
+  launch plans for C++ to replay. The fused ops (``torch_tdist.overlap``) use the executor through
+  the small interface marked in ``executor.py``.
 
 docs/architecture.md walks through a call and shows how to add an algorithm.
 """
@@ -17,8 +18,6 @@ docs/architecture.md walks through a call and shows how to add an algorithm.
 from .executor import Executor
 from .lowlatency import LOWLATENCY_SLOT_WORDS
 from .oneshot import ONESHOT_TILE_BYTES
-from .overlap_part import GEMM_CONFIGS, OVERLAPS, PIPELINE_CHUNKS
 from .routing import GPU_SIZE_LIMITS
 
-__all__ = ["Executor", "GEMM_CONFIGS", "GPU_SIZE_LIMITS", "LOWLATENCY_SLOT_WORDS", "ONESHOT_TILE_BYTES",
-           "OVERLAPS", "PIPELINE_CHUNKS"]
+__all__ = ["Executor", "GPU_SIZE_LIMITS", "LOWLATENCY_SLOT_WORDS", "ONESHOT_TILE_BYTES"]

@@ -19,14 +19,13 @@ from datetime import timedelta
 import torch
 
 from .. import language
-from ..bulk import PUSHERS
-from ..config import Config
+from ..bulk import PUSHERS, BulkPath
+from ..config import OVERLAPS, Config
 from ..heap import DEFAULT_HEAP_BYTES, TRANSPORTS, SymmetricHeap
 from ..triton_kernels import staged
 from . import registry, routing
 from .base import CALL_CODE, DTYPE_CODE, NO_COUNT, Call, flat
 from .context import CallContext, lay_out, region_count
-from .overlap_part import OVERLAPS, OverlapPart
 from .plans import LaunchPlans
 from .streamed import STREAMED_BLOCK_BYTES
 
@@ -52,7 +51,7 @@ class _Output:
             start += t.numel()
 
 
-class Executor(LaunchPlans, OverlapPart):
+class Executor(LaunchPlans):
     """Runs one process group's collectives on its symmetric heap (created on first use)."""
 
     def __init__(self, store, rank: int, world_size: int, timeout: timedelta, options=None):
@@ -84,7 +83,6 @@ class Executor(LaunchPlans, OverlapPart):
         self._launched = []  # (kernel, compiled, grid, args, meta) of the call being served
         self._replayable = True  # whether the call is only what _launched holds
         self._planned = []  # tensors that launch plans point to
-        self._init_overlap_state()
         self._check_calls = language.INTERPRET or config.check_calls
         self.algorithm = config.algorithm
         self.bulk_pusher = config.bulk_push  # None: the device's default
@@ -396,6 +394,63 @@ class Executor(LaunchPlans, OverlapPart):
         output.copy_(gathered.view(output.shape))
         self.barrier()  # no peer writes the next call's chunks here before the copy above
 
+    # ---- interface for torch_tdist.overlap ----
+    # What the overlap ops (torch_tdist/overlap/) use of a group's executor besides rank,
+    # world_size, overlap and heap; they read nothing else of it.
+    def attached(self, key: str, make):
+        """The object ``make(self)`` made for this group under ``key`` on the first call and kept
+        with the group (the overlap ops' state); each one's ``close()`` runs when the group
+        closes, before its heap goes."""
+        attached = self.__dict__.setdefault("_attached", {})
+        found = attached.get(key)
+        if found is None:
+            found = attached[key] = make(self)
+        return found
+
+    def close_attached(self):
+        """Close what ``attached`` made (from ``close``, while the heap is still there)."""
+        for found in self.__dict__.get("_attached", {}).values():
+            found.close()
+
+    def begin_call(self, op: str, tensor: torch.Tensor):
+        """Start serving ``op`` on ``tensor``'s device, as every collective starts: raises once
+        the group was aborted or stopped, makes the heap on first use."""
+        self._begin(op, tensor)
+
+    @property
+    def bulk(self) -> BulkPath:
+        """The group's bulk path (made with the heap: after ``begin_call``)."""
+        return self._bulk
+
+    def bulk_call(self, op: str, method, out: torch.Tensor, src: torch.Tensor, *args):
+        """``method(op, call word, out, src, *args)`` of the bulk path, as the collectives call it
+        (``_bulk_call``: a peer that never signals, or a failure part-way, stops the group)."""
+        self._bulk_call(op, method, out, src, *args)
+
+    def launch(self, op: str, kernel, grid, *args, **meta):
+        """Launch ``kernel`` for ``op`` as the collectives do (``_launch``)."""
+        return self._launch(op, kernel, grid, *args, **meta)
+
+    def replayable_launch(self, kernel, compiled, grid, args, meta, bind):
+        """A recorded launch as C++ replays it (``_launch_tuple``), or None."""
+        return self._launch_tuple(kernel, compiled, grid, args, meta, bind)
+
+    @property
+    def checks_calls(self) -> bool:
+        """Whether calls are checked against the peers' (TDIST_CHECK_CALLS=1, the interpreter)."""
+        return self._check_calls
+
+    def run_unplanned(self, op: str, run):
+        """``run()``: work of ``op`` that is not one launch C++ could replay as the call's plan (a
+        recorded stream program); where it raises, the group stops (peers may be left part-way)."""
+        self._replayable = False
+        try:
+            return run()
+        except Exception as err:
+            self._stopped = f"{op} failed part-way ({type(err).__name__})"
+            raise
+    # ---- end of the interface for torch_tdist.overlap ----
+
     def barrier(self):
         self._begin("barrier", None)
         nothing = torch.empty(0, dtype=torch.uint8, device=self._heap.device)
@@ -403,8 +458,7 @@ class Executor(LaunchPlans, OverlapPart):
 
     def close(self):
         if self._ctx is not None:
-            self._program_graphs.clear()
-            self._scratch_buffers.clear()
+            self.close_attached()  # (interface for torch_tdist.overlap)
             self._ctx.close()
             self._planned.clear()
             self._heap.close()

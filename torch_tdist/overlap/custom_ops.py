@@ -1,0 +1,287 @@
+"""``torch.ops.tdist.all_gather_matmul`` and ``torch.ops.tdist.matmul_reduce_scatter``: the custom
+ops (the group passed by name), their checks, fake kernels and autograd, the sequential path, and
+the hand-over to an overlapped way (``fused.py``, ``pipelined.py``) as ``tuning.run`` chooses."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from ..backend import _tdist_backend
+from . import fused, pipelined, tuning
+from .state import state_of
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+WAY_KINDS = {"fused": fused, "pipelined": pipelined}  # tuning.WAYS' kinds -> their module
+
+
+def group_by_name(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# ---- checks (shared by the real and the fake kernels) ------------------------------------
+def _check_operands(op: str, a: Tensor, bs: list[Tensor]) -> int:
+    """Dtypes, devices and the contracted size K; returns K."""
+    if a.dtype not in DTYPES:
+        raise TypeError(f"tdist {op}: A is {a.dtype}; expected bfloat16, float16 or float32")
+    if a.dim() < 2:
+        raise ValueError(f"tdist {op}: A has shape {tuple(a.shape)}; expected 2 or more dimensions")
+    if not bs:
+        raise ValueError(f"tdist {op}: no B matrix given")
+    k = a.shape[-1]
+    for i, b in enumerate(bs):
+        if b.dtype != a.dtype or b.device != a.device:
+            raise TypeError(f"tdist {op}: B[{i}] is {b.dtype} on {b.device}, A is {a.dtype} on {a.device}; "
+                            f"they must match")
+        if b.dim() != 2 or b.shape[0] != k:
+            raise ValueError(f"tdist {op}: B[{i}] has shape {tuple(b.shape)}; expected [{k}, N] "
+                             f"(A's last dimension is {k})")
+    return k
+
+
+def _dim(op: str, name: str, dim: int, ndim: int) -> int:
+    """``dim`` of a result with ``ndim`` dimensions, not the last (the matmul's columns)."""
+    if not -ndim <= dim < ndim or dim % ndim == ndim - 1:
+        raise ValueError(f"tdist {op}: {name}={dim}; expected one of A's {ndim} dimensions but the "
+                         f"last (the one the matmul contracts or makes)")
+    return dim % ndim
+
+
+# ---- the sequential path ------------------------------------------------------------------
+# torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` laid out as a new tensor of its shape (the fake kernels' layout)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return with_strides(t, strides[::-1])
+
+
+def with_strides(t: Tensor, strides) -> Tensor:
+    """``t`` with exactly ``strides``: a view where only dimensions of size 1 differ (they address
+    nothing, yet torch.compile's guards tell them apart: a compiled region fed such a tensor
+    recompiles with dynamic strides), a copy otherwise."""
+    strides = tuple(strides)
+    if t.stride() == strides:
+        return t
+    if all(have == want for size, have, want in zip(t.shape, t.stride(), strides) if size > 1):
+        return t.as_strided(t.shape, strides)
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _all_gather(x: Tensor, dim: int, group) -> Tensor:
+    rows = x.movedim(dim, 0).contiguous()
+    out = rows.new_empty((group.size() * rows.shape[0], *rows.shape[1:]))
+    _all_gather_single(out, rows, group=group)
+    return _row_major(out.movedim(0, dim))
+
+
+def _reduce_scatter(x: Tensor, dim: int, reduce_op: str, group) -> Tensor:
+    rows = x.movedim(dim, 0).contiguous()
+    out = rows.new_empty((rows.shape[0] // group.size(), *rows.shape[1:]))
+    _reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
+    return _row_major(out.movedim(0, dim))
+
+
+# ---- the overlapped ways' rows --------------------------------------------------------------
+def _as_rows(t: Tensor, dim: int) -> Tensor:
+    """``t`` as the overlapped ways take it: [rows, last dimension] contiguous, ``dim`` first
+    (free for a row-major matrix and dim 0; a copy unless the dimensions before ``dim`` have size
+    1 otherwise)."""
+    if dim == 0 and t.dim() == 2 and t.is_contiguous():
+        return t  # (a few microseconds of host time a call saved: the common case)
+    return t.movedim(dim, 0).reshape(-1, t.shape[-1]).contiguous()
+
+
+def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
+    """The inverse of ``_as_rows``: ``rows`` as a row-major tensor of ``shape`` (itself where it
+    is one already: ``_row_major``)."""
+    if dim != 0 or len(shape) != 2:
+        rows = rows.reshape([shape[dim], *shape[:dim], *shape[dim + 1:]]).movedim(0, dim)
+    return _row_major(rows)
+
+
+def _watched(backend, op: str, run, state, *args) -> bool:
+    """``run(state, *args)``, an overlapped way (it returns whether it ran), checked and
+    watched as the group's collectives are (``backend``: the group's): it raises once the group
+    was aborted, and where its GPU work has not finished within the group's timeout (a peer
+    died) the group's watchdog aborts the group, so that its waits give up and later calls
+    raise. The group's calls after it run after it (``_ordered``: before it)."""
+    backend.check_open(op)
+    device = args[0].device  # (the group's: the executor refuses tensors on another)
+    try:
+        return run(state, *args)
+    finally:  # (also what a way that raised part-way had queued)
+        if device.type == "cuda":
+            backend.watch_queued(op, device.index)
+
+
+def _ordered(backend, t: Tensor):
+    """On GPUs, the caller's stream waits for the group's last call where that ran on another
+    stream (an async collective not yet waited for), so that an op, whichever way it runs (its
+    copies and matmuls included), runs after the group's calls before it: one stream order per
+    group, as NCCL's."""
+    if t.device.type == "cuda":
+        backend.order_queued(t.device.index)
+
+
+# ---- tdist::all_gather_matmul --------------------------------------------------------------
+@torch.library.custom_op("tdist::all_gather_matmul", mutates_args=())
+def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gather_dim: int,
+                       return_a: bool) -> tuple[Tensor, list[Tensor]]:
+    """(A gathered, [A gathered @ b for b in bs]). The gathered A always comes back (the backward
+    needs it); gradients flow into it only with ``return_a``."""
+    dim = _checked_gather(a_shard, bs, gather_dim)
+    group = group_by_name(group_name)
+    backend = _tdist_backend(group)
+    _ordered(backend, a_shard)
+    state = state_of(backend.executor)
+
+    def sequential():
+        a_full = _all_gather(a_shard, dim, group)
+        return a_full, [torch.matmul(a_full, b) for b in bs]
+    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
+    key = ("all_gather_matmul", a_shard.dtype, tuning.rows_class(a_shard), a_shard.shape[-1])
+    return tuning.run(group, state, key, sequential,
+                      lambda way: _overlapped_all_gather_matmul(a_shard, bs, backend, state, group.size(), way, dim),
+                      width=sum(b.shape[-1] for b in bs))
+
+
+def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, state, world: int, way: tuple,
+                                  dim: int):
+    """The op overlapped (``fused.all_gather_matmul``, or ``pipelined``'s), or None where the
+    heap cannot take it. The ways gather rows (``_as_rows``, ``_from_rows``)."""
+    k = a_shard.shape[-1]
+    a = _as_rows(a_shard, dim)
+    b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
+    out = a.new_empty((world * a.shape[0], b.shape[1]))
+    a_full = a.new_empty((world * a.shape[0], k))
+    kind, setting = way
+    if not _watched(backend, "all_gather_matmul", WAY_KINDS[kind].all_gather_matmul, state, a, b, out, a_full,
+                    setting):
+        return None
+    shape = list(a_shard.shape)
+    shape[dim] *= world
+    outs = [out] if len(bs) == 1 else out.split([w.shape[1] for w in bs], dim=1)
+    return _from_rows(a_full, shape, dim), [_from_rows(o, shape[:-1] + [o.shape[1]], dim) for o in outs]
+
+
+def _checked_gather(a_shard, bs, gather_dim) -> int:
+    _check_operands("all_gather_matmul", a_shard, bs)
+    return _dim("all_gather_matmul", "gather_dim", gather_dim, a_shard.dim())
+
+
+@_all_gather_matmul.register_fake
+def _(a_shard, bs, group_name, gather_dim, return_a):
+    dim = _checked_gather(a_shard, bs, gather_dim)
+    shape = list(a_shard.shape)
+    shape[dim] *= group_by_name(group_name).size()
+    return a_shard.new_empty(shape), [a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs]
+
+
+def _gather_setup(ctx, inputs, output):
+    _, bs, ctx.group_name, ctx.gather_dim, ctx.return_a = inputs
+    ctx.save_for_backward(output[0], *bs)
+
+
+def _gather_backward(ctx, grad_a_full, grad_outs):
+    a_full, *bs = ctx.saved_tensors
+    used = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+    grad_bs = [None if g is None else _weight_grad(a_full, g) for g, b in zip(grad_outs, bs)]
+    dim = ctx.gather_dim % a_full.dim()
+    grad_a = None
+    if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
+        grad_a = torch.ops.tdist.matmul_reduce_scatter(
+            torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
+            ctx.group_name, dim, "sum")
+    if ctx.return_a and grad_a_full is not None:
+        extra = _funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
+        grad_a = extra if grad_a is None else grad_a + extra
+    return grad_a, grad_bs, None, None, None
+
+
+_all_gather_matmul.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# ---- tdist::matmul_reduce_scatter ----------------------------------------------------------
+@torch.library.custom_op("tdist::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: int,
+                           reduce_op: str) -> Tensor:
+    group = group_by_name(group_name)
+    backend = _tdist_backend(group)
+    world = group.size()
+    dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
+    _ordered(backend, a)
+    state = state_of(backend.executor)
+    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
+    key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), b.shape[1])
+    return tuning.run(group, state, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
+                      lambda way: _overlapped_matmul_reduce_scatter(a, b, backend, state, world, reduce_op, way, dim))
+
+
+def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, backend, state, world: int, reduce_op: str,
+                                      way: tuple, dim: int):
+    """The op overlapped (``fused.matmul_reduce_scatter``, or ``pipelined``'s), or None where
+    the heap cannot take it. The ways scatter rows (``_as_rows``, ``_from_rows``)."""
+    rows = _as_rows(a, dim)
+    out = a.new_empty((rows.shape[0] // world, b.shape[1]))
+    kind, setting = way
+    if not _watched(backend, "matmul_reduce_scatter", WAY_KINDS[kind].matmul_reduce_scatter, state, rows, b, out,
+                    reduce_op, setting):
+        return None
+    shape = [*a.shape[:-1], b.shape[1]]
+    shape[dim] //= world
+    return _from_rows(out, shape, dim)
+
+
+def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
+    op = "matmul_reduce_scatter"
+    _check_operands(op, a, [b])
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"tdist {op}: reduce_op={reduce_op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    dim = _dim(op, "scatter_dim", scatter_dim, a.dim())
+    if a.shape[dim] % world:
+        raise ValueError(f"tdist {op}: A's dimension {dim} has {a.shape[dim]} rows, which the "
+                         f"group's {world} ranks do not divide")
+    return dim
+
+
+@_matmul_reduce_scatter.register_fake
+def _(a, b, group_name, scatter_dim, reduce_op):
+    world = group_by_name(group_name).size()
+    dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
+    shape = [*a.shape[:-1], b.shape[1]]
+    shape[dim] //= world
+    return a.new_empty(shape)
+
+
+def _scatter_setup(ctx, inputs, output):
+    a, b, ctx.group_name, ctx.scatter_dim, ctx.reduce_op = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _scatter_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    if ctx.reduce_op == "avg":
+        grad_out = grad_out / group_by_name(ctx.group_name).size()
+    # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
+    gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
+        grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
+    return grad_a, _weight_grad(a, gathered), None, None, None
+
+
+_matmul_reduce_scatter.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+
+
+def _weight_grad(x: Tensor, grad: Tensor) -> Tensor:
+    """d(x @ w)/dw contracted with ``grad``: x^T @ grad over every leading dimension."""
+    return x.reshape(-1, x.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])

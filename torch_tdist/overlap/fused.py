@@ -1,0 +1,77 @@
+"""The fused way: one Triton kernel (``triton_kernels/overlap.py``) computes the matmul's tiles as
+the chunks they need land (all_gather_matmul), or sends each rank its rows as the matmul makes
+them (matmul_reduce_scatter), over the group's bulk path."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import language
+from ..bulk import KMAX
+from ..bulk import aligned as _aligned
+from ..bulk import vector as _vector
+from ..triton_kernels import overlap as kernels
+
+# Tile configs of the overlapped matmuls: small under the interpreter; on GPUs the usual
+# H100/H200 bf16 shapes, the first the default of "fused".
+GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
+                [{"BM": 128, "BN": 128, "BK": 64, "num_stages": 3},
+                 {"BM": 128, "BN": 256, "BK": 64, "num_stages": 3},
+                 {"BM": 256, "BN": 128, "BK": 64, "num_stages": 3}])
+GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
+
+
+def all_gather_matmul(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                      a_out: torch.Tensor, tiles: dict = GEMM_CONFIGS[0]) -> bool:
+    """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``) over ``state``'s
+    group, the matmul taking each peer's rows as they land; ``a`` [m, K] and ``out``
+    [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many rows
+    as the bulk area holds. False, having done nothing, when not one row fits."""
+    op = "all_gather_matmul"
+    m, k = a.shape
+    n, dtype = b.shape[1], a.dtype
+    rounds = state.rounds(op, a, m, k)
+    if rounds is None:
+        return False
+    executor = state.executor
+    bulk, ctx = executor.bulk, executor.heap.ctx
+    for row0, rows in rounds:
+
+        def consume(own, slots, slot_stride, ready, chunk, n_chunks, grid, push_args, pushers):
+            aligned = _aligned(dtype, (slot_stride, chunk, push_args[1], row0 * k))
+            executor.launch(op, kernels.ag_gemm_kernel, (grid,), ctx, own, slots, slot_stride, ready,
+                            b, out, a_out, rows, row0, m, n, k, b.stride(0), b.stride(1), chunk, n_chunks,
+                            *push_args, **bulk.kernel_meta(dtype), **tiles,
+                            ALIGN=_vector(dtype) if aligned else 1, PUSHERS=pushers,
+                            IEEE=dtype == torch.float32, UPCAST=language.INTERPRET)
+
+        executor.bulk_call(op, lambda op_, word, _, flat: bulk.all_gather_consumed(op_, word, flat, consume),
+                           out, a[row0:row0 + rows].reshape(-1))
+    return True
+
+
+def matmul_reduce_scatter(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                          reduce_op: str, tiles: dict = GEMM_CONFIGS[0]) -> bool:
+    """``out`` [m, N] = rows [rank * m, (rank + 1) * m) of OP over ranks of ``a`` [world * m,
+    K] @ ``b`` [K, N], each rank's rows sent as the matmul makes them. On the caller's stream;
+    in rounds of as many rows as the bulk area holds (at most KMAX row blocks). False, having
+    done nothing, when not one row fits."""
+    op = "matmul_reduce_scatter"
+    m, n = out.shape
+    rounds = state.rounds(op, a, m, n, most_rows=KMAX * tiles["BM"])
+    if rounds is None:
+        return False
+    executor = state.executor
+    bulk, ctx = executor.bulk, executor.heap.ctx
+    warps = {} if language.INTERPRET else {"num_warps": 8}
+    for row0, rows in rounds:
+
+        def produce(slots, slot_stride, ready, counters):
+            executor.launch(op, kernels.gemm_rs_kernel, (GEMM_PROGRAMS,), ctx, a, b, slots,
+                            slot_stride, ready, counters, rows, row0, m, n, a.shape[1], a.stride(0), a.stride(1),
+                            b.stride(0), b.stride(1), ME=executor.rank, WORLD=executor.world_size, KMAX=KMAX,
+                            IEEE=out.dtype == torch.float32, UPCAST=language.INTERPRET, **tiles, **warps)
+
+        executor.bulk_call(op, lambda op_, word, flat, _: bulk.reduce_scatter_produced(
+            op_, word, flat, rows, tiles["BM"] * n, reduce_op, produce), out[row0:row0 + rows].view(-1), a)
+    return True
