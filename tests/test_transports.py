@@ -13,7 +13,15 @@ from tests.multiproc import PoolStartError, RankPool, backend_under_test
 from torch_tdist import heap, transports
 from torch_tdist.transports import cuda_device, nvshmem, shm
 
-HAS_CUDA_PYTHON = importlib.util.find_spec("cuda") is not None
+
+def _has_cuda_python() -> bool:
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ImportError:  # (no "cuda" package at all)
+        return False
+
+
+HAS_CUDA_PYTHON = _has_cuda_python()
 
 
 def test_the_registry_names_every_transport_and_resolves_auto():

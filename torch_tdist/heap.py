@@ -20,7 +20,7 @@ import torch
 
 from . import language, transports
 # (what callers of the heap have used from here: the segment names left in /dev/shm, the class)
-from .transports.shm import SHM_DIR, ShmSegment as _ShmSegment, shm_segment_names  # noqa: F401
+from .transports.shm import ShmSegment as _ShmSegment, shm_segment_names  # noqa: F401
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group

@@ -2,7 +2,7 @@
 rank's heap or a peer's) once the stream's earlier work is done, copies, zeroing, and one
 stream ordered after another.
 
-On GPUs these are the device's driver calls, from its transports' ``StreamOps``
+On GPUs these are the device's driver calls, the ``StreamOps`` of its transports
 (``torch_tdist.transports``; on CUDA ``cuStreamWriteValue64`` with its memory barrier,
 ``cuMemcpyAsync``, events), a few microseconds of host time each, and CUDA graphs capture them.
 On the CPU the same interface works where the stream is the calling thread: stores and torch

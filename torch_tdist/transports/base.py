@@ -10,19 +10,18 @@ A new transport (``hip_ipc``, ``rocshmem``...) is one module in this package wit
 :class:`Transport` and one line in the registry (``torch_tdist/transports/__init__.py``).
 It implements:
 
-- ``name``, ``device_types`` (the tensors' ``device.type`` it serves), ``package`` (what to
-  ``pip install`` when its vendor package is missing: named in errors);
+- ``name`` and ``device_types`` (the tensors' ``device.type`` it serves);
 - :meth:`Transport.check_available`: everything that can be known before any memory is
   allocated (vendor package importable, device present, heap not larger than the device can
   give). Groups call it when they are created, so that a transport that cannot start fails at
-  ``init_process_group`` / ``new_group``, naming the transport, the reason and the fix, never
-  at the first collective;
+  ``init_process_group`` / ``new_group``, naming the transport, the reason and the fix (the
+  package to install), never at the first collective;
 - :meth:`Transport.create` (this rank's segment, with a ``handle`` of bytes that a peer opens)
   and :meth:`Transport.open` (a peer's segment from its handle), or a ``segment_type`` whose
   class methods do that, and :meth:`Transport.forget` (remove what a handle names once every
   peer mapped it, or when a peer died): the heap exchanges the handles through the group's
-  store. A transport whose allocation is itself collective (NVSHMEM)
-  sets ``collective = True`` and implements :meth:`Transport.allocate_symmetric` instead;
+  store. A transport whose allocation is itself collective (NVSHMEM) sets
+  ``collective = True`` and implements :meth:`Transport.allocate_symmetric` instead;
 - :meth:`Transport.map_host_page` / :meth:`Transport.unmap_host_page`;
 - :meth:`Transport.stream_ops`: a :class:`StreamOps` for its device (None on the CPU, where the
   stream is the calling thread).
@@ -102,7 +101,6 @@ class Transport(ABC):
 
     name: str = ""
     device_types: tuple[str, ...] = ()
-    package: str | None = None  # pip requirement that brings the vendor package, named in errors
     collective = False  # allocation is one collective call (allocate_symmetric), not handle exchange
     # the Segment class whose create(nbytes, device) and open(handle, nbytes, device) class
     # methods serve create and open (or override those)

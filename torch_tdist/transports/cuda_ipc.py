@@ -54,7 +54,6 @@ class CudaIpcTransport(Transport):
 
     name = "cuda"
     device_types = ("cuda",)
-    package = "cuda-python"
     segment_type = CudaSegment
 
     def check_available(self, device_type: str, heap_bytes: int | None = None):

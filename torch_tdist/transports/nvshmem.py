@@ -19,7 +19,6 @@ from . import cuda_device
 from .base import TransportUnavailable
 from .cuda_ipc import CudaIpcTransport, CudaSegment
 
-WHEEL = "nvidia-nvshmem-cu13"
 INSTALL = ('pip install "torch-tdist[cuda]" (or pip install nvidia-nvshmem-cu13; with CUDA 12: '
            'pip install "torch-tdist[cuda12]" or nvidia-nvshmem-cu12)')
 
@@ -106,7 +105,6 @@ class NvshmemTransport(CudaIpcTransport):
     """NVSHMEM's symmetric heap: one node or several (the C++ backend bootstraps NVSHMEM)."""
 
     name = "nvshmem"
-    package = WHEEL
     collective = True  # nvshmem_malloc and nvshmem_free are collective over the job's PEs
     segment_type = None  # (no create/open: allocate_symmetric)
 
