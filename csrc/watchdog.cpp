@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "device_path.hpp"
-#include "process_group_tdist.hpp"
+#include "work.hpp"
 
 namespace tdist {
 
