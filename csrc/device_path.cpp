@@ -32,9 +32,9 @@ void EventPool::give(std::unique_ptr<c10::Event> event) {
 
 void EventPool::recordOn(c10::Event& event, const c10::Stream& stream) {
   // An event c10 has created is recorded again through the driver, on the
-  // current device's context as the kernels are launched: c10's record (the
-  // runtime, the current device switched there and back) took about 0.6 us a
-  // call more on the device's hosts (results/host_phases_NVIDIA_H200-x2.log).
+  // current device's context as the kernels are launched: c10's record goes
+  // through the runtime and switches the current device there and back, about
+  // 0.6 us a call more.
   if (stream.device_type() == c10::DeviceType::CUDA && event.eventId() != nullptr &&
       event.device_index() == stream.device_index() &&
       driver::recordIfLoaded(event.eventId(), stream.native_handle())) {
