@@ -1,7 +1,5 @@
 #include "device_path.hpp"
 
-#include <dlfcn.h>
-
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -13,101 +11,7 @@ c10::impl::VirtualGuardImpl guardFor(c10::DeviceType type) {
   return c10::impl::VirtualGuardImpl(type);
 }
 
-// cuLaunchKernel from the driver library torch already loaded; taken at run
-// time so the extension needs no CUDA toolkit to build.
-using DriverLaunch = int (*)(
-    void* function,
-    unsigned gridX,
-    unsigned gridY,
-    unsigned gridZ,
-    unsigned blockX,
-    unsigned blockY,
-    unsigned blockZ,
-    unsigned sharedBytes,
-    void* stream,
-    void** params,
-    void** extra);
-
-// cuLaunchKernelEx's configuration (cuda.h's CUlaunchConfig and CUlaunchAttribute), for
-// launches with programmatic dependent launch allowed.
-struct LaunchAttribute {
-  int id;
-  char pad[4];
-  union {
-    char bytes[64];
-    int programmaticStreamSerializationAllowed;
-  } value;
-};
-struct LaunchConfig {
-  unsigned gridX, gridY, gridZ, blockX, blockY, blockZ, sharedBytes;
-  void* stream;
-  LaunchAttribute* attrs;
-  unsigned numAttrs;
-};
-constexpr int kAttributeProgrammaticStreamSerialization = 6;
-using DriverLaunchEx = int (*)(const LaunchConfig* config, void* function, void** params, void** extra);
-
 } // namespace
-
-void* driverSymbol(const char* name) {
-  static void* lib = []() {
-    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    return handle != nullptr ? handle : dlopen("libcuda.so.1", RTLD_NOW);
-  }();
-  TORCH_CHECK(lib != nullptr, "tdist: cannot open libcuda.so.1: ", dlerror());
-  void* sym = dlsym(lib, name);
-  TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no ", name);
-  return sym;
-}
-
-namespace {
-
-DriverLaunch driverLaunch() {
-  static auto fn = reinterpret_cast<DriverLaunch>(driverSymbol("cuLaunchKernel"));
-  return fn;
-}
-
-DriverLaunchEx driverLaunchEx() {
-  static auto fn = reinterpret_cast<DriverLaunchEx>(driverSymbol("cuLaunchKernelEx"));
-  return fn;
-}
-
-} // namespace
-
-void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream) {
-  using CopyAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
-  static auto fn = reinterpret_cast<CopyAsync>(driverSymbol("cuMemcpyHtoDAsync_v2"));
-  int rc = fn(reinterpret_cast<uint64_t>(dst), src, bytes, stream);
-  TORCH_CHECK(rc == 0, "tdist: cuMemcpyHtoDAsync failed with CUDA error ", rc);
-}
-
-uint64_t captureId(const c10::Stream& stream) {
-  if (stream.device_type() != c10::DeviceType::CUDA) {
-    return 0;
-  }
-  using CaptureInfo = int (*)(
-      void* stream, int* status, uint64_t* id, void** graph, const void** deps, size_t* numDeps);
-  static auto fn = reinterpret_cast<CaptureInfo>(driverSymbol("cuStreamGetCaptureInfo_v2"));
-  int status = 0; // CU_STREAM_CAPTURE_STATUS_NONE
-  uint64_t id = 0;
-  int rc = fn(stream.native_handle(), &status, &id, nullptr, nullptr, nullptr);
-  if (rc != 0) { // the legacy stream while another stream captures: as a capture
-    return UINT64_MAX;
-  }
-  return status == 0 ? 0 : (id != 0 ? id : UINT64_MAX); // (an invalidated one counts)
-}
-
-void relaxThreadCaptureMode() {
-  using ExchangeMode = int (*)(int* mode);
-  void* sym = nullptr;
-  try {
-    sym = driverSymbol("cuThreadExchangeStreamCaptureMode");
-  } catch (const c10::Error&) {
-    return; // no CUDA driver: nothing to capture
-  }
-  int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
-  reinterpret_cast<ExchangeMode>(sym)(&mode);
-}
 
 std::unique_ptr<c10::Event> EventPool::take(c10::DeviceType type) {
   {
@@ -128,24 +32,13 @@ void EventPool::give(std::unique_ptr<c10::Event> event) {
 
 void EventPool::recordOn(c10::Event& event, const c10::Stream& stream) {
   // An event c10 has created is recorded again through the driver, on the
-  // current device's context as the kernels are launched: c10's record (the
-  // runtime, the current device switched there and back) took about 0.6 us a
-  // call more on the device's hosts (results/host_phases_NVIDIA_H200-x2.log).
-  using EventRecord = int (*)(void* event, void* stream);
+  // current device's context as the kernels are launched: c10's record goes
+  // through the runtime and switches the current device there and back, about
+  // 0.6 us a call more.
   if (stream.device_type() == c10::DeviceType::CUDA && event.eventId() != nullptr &&
-      event.device_index() == stream.device_index()) {
-    static EventRecord driverRecord = []() -> EventRecord {
-      try {
-        return reinterpret_cast<EventRecord>(driverSymbol("cuEventRecord"));
-      } catch (const c10::Error&) {
-        return nullptr; // no CUDA driver (a ROCm build of torch)
-      }
-    }();
-    if (driverRecord != nullptr) {
-      int rc = driverRecord(event.eventId(), stream.native_handle());
-      TORCH_CHECK(rc == 0, "tdist: cuEventRecord failed with CUDA error ", rc);
-      return;
-    }
+      event.device_index() == stream.device_index() &&
+      driver::recordIfLoaded(event.eventId(), stream.native_handle())) {
+    return;
   }
   event.record(stream);
 }
@@ -262,28 +155,8 @@ void LaunchPlan::launch(const std::vector<uintptr_t>& roles, void* stream)
     }
     args[i] = &values[i];
   }
-  if (dependentLaunch_) {
-    LaunchAttribute attr{};
-    attr.id = kAttributeProgrammaticStreamSerialization;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    LaunchConfig config{grid_[0], grid_[1], grid_[2], threads_, 1, 1, sharedBytes_, stream, &attr, 1};
-    int rc = driverLaunchEx()(&config, function_, args.data(), nullptr);
-    TORCH_CHECK(rc == 0, "tdist: cuLaunchKernelEx failed with CUDA error ", rc);
-    return;
-  }
-  int rc = driverLaunch()(
-      function_,
-      grid_[0],
-      grid_[1],
-      grid_[2],
-      threads_,
-      1,
-      1,
-      sharedBytes_,
-      stream,
-      args.data(),
-      nullptr);
-  TORCH_CHECK(rc == 0, "tdist: cuLaunchKernel failed with CUDA error ", rc);
+  driver::launchKernel(
+      function_, grid_, threads_, sharedBytes_, stream, args.data(), dependentLaunch_);
 }
 
 } // namespace tdist

@@ -25,6 +25,8 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "device_shim.hpp" // (its driver calls are part of this API)
+
 namespace tdist {
 
 // Events to reuse: creating and destroying one costs about a microsecond
@@ -70,20 +72,6 @@ c10::Stream newCommStream(const c10::Device& device);
 
 // The calling thread's current stream on `device`.
 c10::Stream currentStream(const c10::Device& device);
-
-// A symbol of the CUDA driver library torch loaded (taken at run time, so the
-// extension builds without a CUDA toolkit).
-void* driverSymbol(const char* name);
-
-// Copies `bytes` of pageable host memory to device memory on `stream` (a native
-// stream handle); the driver stages them before it returns, so `src` may go then.
-void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream);
-
-// The id of the CUDA graph capture `stream` is in, 0 when none.
-uint64_t captureId(const c10::Stream& stream);
-
-// Lets the calling thread query events while other threads capture graphs.
-void relaxThreadCaptureMode();
 
 // Identifies calls that one recorded launch serves.
 struct PlanKey {

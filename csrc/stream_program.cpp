@@ -6,51 +6,6 @@
 
 namespace tdist {
 
-namespace {
-
-using Ptr = unsigned long long; // CUdeviceptr
-using MemcpyAsync = int (*)(Ptr dst, Ptr src, size_t bytes, void* stream);
-using MemsetD32Async = int (*)(Ptr dst, unsigned value, size_t count, void* stream);
-using WriteValue64 = int (*)(void* stream, Ptr address, uint64_t value, unsigned flags);
-using EventRecord = int (*)(void* event, void* stream);
-using WaitEvent = int (*)(void* stream, void* event, unsigned flags);
-using EventCreate = int (*)(void** event, unsigned flags);
-using EventDestroy = int (*)(void* event);
-
-struct Driver {
-  MemcpyAsync memcpyAsync;
-  MemsetD32Async memsetD32Async;
-  WriteValue64 writeValue64;
-  EventRecord eventRecord;
-  WaitEvent waitEvent;
-  EventCreate eventCreate;
-  EventDestroy eventDestroy;
-};
-
-const Driver& driver() {
-  static const Driver d = [] {
-    Driver d{};
-    d.memcpyAsync = reinterpret_cast<MemcpyAsync>(driverSymbol("cuMemcpyAsync"));
-    d.memsetD32Async = reinterpret_cast<MemsetD32Async>(driverSymbol("cuMemsetD32Async"));
-    // (what cuda.h's cuStreamWriteValue64 names since CUDA 11.7)
-    d.writeValue64 = reinterpret_cast<WriteValue64>(driverSymbol("cuStreamWriteValue64_v2"));
-    d.eventRecord = reinterpret_cast<EventRecord>(driverSymbol("cuEventRecord"));
-    d.waitEvent = reinterpret_cast<WaitEvent>(driverSymbol("cuStreamWaitEvent"));
-    d.eventCreate = reinterpret_cast<EventCreate>(driverSymbol("cuEventCreate"));
-    d.eventDestroy = reinterpret_cast<EventDestroy>(driverSymbol("cuEventDestroy_v2"));
-    return d;
-  }();
-  return d;
-}
-
-void check(int rc, const char* call) {
-  TORCH_CHECK(rc == 0, "tdist: ", call, " failed with CUDA error ", rc);
-}
-
-constexpr unsigned kEventDisableTiming = 2; // CU_EVENT_DISABLE_TIMING
-
-} // namespace
-
 StreamProgram::Address StreamProgram::address(const py::handle& item) {
   auto pair = item.cast<py::tuple>();
   return {pair[0].cast<int>(), pair[1].cast<uint64_t>()};
@@ -77,9 +32,7 @@ StreamProgram::StreamProgram(
         id, static_cast<c10::DeviceIndex>(index), static_cast<c10::DeviceType>(type)));
   }
   for (size_t i = 0; i <= sides_.size(); ++i) {
-    void* event = nullptr;
-    check(driver().eventCreate(&event, kEventDisableTiming), "cuEventCreate");
-    events_.push_back(event);
+    events_.push_back(driver::eventCreate());
   }
   for (const auto& item : steps) {
     auto t = item.cast<py::tuple>();
@@ -121,7 +74,7 @@ StreamProgram::StreamProgram(
 
 StreamProgram::~StreamProgram() {
   for (void* event : events_) {
-    driver().eventDestroy(event); // (at exit the context may be gone: nothing to do)
+    driver::eventDestroy(event); // (at exit the context may be gone: nothing to do)
   }
 }
 
@@ -152,27 +105,23 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
   }
   c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
   const c10::Stream main = guard.getStream(roles[0].device());
-  const auto& cu = driver();
   auto torchStream = [&](int index) { return index == 0 ? main : sides_[index - 1]; };
   auto stream = [&](int index) { return torchStream(index).native_handle(); };
   for (const auto& s : steps_) {
     switch (s.kind) {
       case Copy:
-        check(cu.memcpyAsync(resolve(s.dst, addresses), resolve(s.src, addresses), s.count,
-                             stream(s.stream)),
-              "cuMemcpyAsync");
+        driver::memcpyAsync(
+            resolve(s.dst, addresses), resolve(s.src, addresses), s.count, stream(s.stream));
         break;
       case Zero:
-        check(cu.memsetD32Async(resolve(s.dst, addresses), 0, 2 * s.count, stream(s.stream)),
-              "cuMemsetD32Async");
+        driver::memsetD32Async(resolve(s.dst, addresses), 0, 2 * s.count, stream(s.stream));
         break;
       case Write:
-        check(cu.writeValue64(stream(s.stream), resolve(s.dst, addresses), s.count, 0),
-              "cuStreamWriteValue64");
+        driver::streamWriteValue64(stream(s.stream), resolve(s.dst, addresses), s.count);
         break;
       case After:
-        check(cu.eventRecord(events_[s.waited], stream(s.waited)), "cuEventRecord");
-        check(cu.waitEvent(stream(s.stream), events_[s.waited], 0), "cuStreamWaitEvent");
+        driver::eventRecord(events_[s.waited], stream(s.waited));
+        driver::streamWaitEvent(stream(s.stream), events_[s.waited]);
         break;
       case Matmul: {
         auto out = resolve(s.out, roles);

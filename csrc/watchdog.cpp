@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "device_path.hpp"
-#include "process_group_tdist.hpp"
+#include "work.hpp"
 
 namespace tdist {
 
@@ -55,8 +55,8 @@ void Watchdog::run() {
   while (!stop_) {
     wake_.wait_for(lock, kPoll);
     // The queries go without the lock: watch(), on every call's path, must
-    // not wait for a scan of thousands of works (it did: 1.4-5 us a call in
-    // long loops, benchmarks/results/host_phases_NVIDIA_H200-x2.log).
+    // not wait for a scan of thousands of works (in long loops that added
+    // microseconds to every call).
     std::list<Watched> scanned;
     scanned.swap(watched_);
     scanning_ = true;

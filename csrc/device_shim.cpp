@@ -1,0 +1,234 @@
+// The CUDA driver calls of device_shim.hpp, each taken from libcuda.so.1 by
+// name the first time it is needed.
+#include "device_shim.hpp"
+
+#include <dlfcn.h>
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/Exception.h>
+
+namespace tdist {
+
+namespace {
+
+// cuLaunchKernel from the driver library torch already loaded; taken at run
+// time so the extension needs no CUDA toolkit to build.
+using DriverLaunch = int (*)(
+    void* function,
+    unsigned gridX,
+    unsigned gridY,
+    unsigned gridZ,
+    unsigned blockX,
+    unsigned blockY,
+    unsigned blockZ,
+    unsigned sharedBytes,
+    void* stream,
+    void** params,
+    void** extra);
+
+// cuLaunchKernelEx's configuration (cuda.h's CUlaunchConfig and CUlaunchAttribute), for
+// launches with programmatic dependent launch allowed.
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmaticStreamSerializationAllowed;
+  } value;
+};
+struct LaunchConfig {
+  unsigned gridX, gridY, gridZ, blockX, blockY, blockZ, sharedBytes;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+constexpr int kAttributeProgrammaticStreamSerialization = 6;
+using DriverLaunchEx = int (*)(const LaunchConfig* config, void* function, void** params, void** extra);
+
+} // namespace
+
+void* driverSymbol(const char* name) {
+  static void* lib = []() {
+    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return handle != nullptr ? handle : dlopen("libcuda.so.1", RTLD_NOW);
+  }();
+  TORCH_CHECK(lib != nullptr, "tdist: cannot open libcuda.so.1: ", dlerror());
+  void* sym = dlsym(lib, name);
+  TORCH_CHECK(sym != nullptr, "tdist: libcuda.so.1 has no ", name);
+  return sym;
+}
+
+namespace {
+
+DriverLaunch driverLaunch() {
+  static auto fn = reinterpret_cast<DriverLaunch>(driverSymbol("cuLaunchKernel"));
+  return fn;
+}
+
+DriverLaunchEx driverLaunchEx() {
+  static auto fn = reinterpret_cast<DriverLaunchEx>(driverSymbol("cuLaunchKernelEx"));
+  return fn;
+}
+
+using Ptr = unsigned long long; // CUdeviceptr
+using MemcpyAsync = int (*)(Ptr dst, Ptr src, size_t bytes, void* stream);
+using MemsetD32Async = int (*)(Ptr dst, unsigned value, size_t count, void* stream);
+using WriteValue64 = int (*)(void* stream, Ptr address, uint64_t value, unsigned flags);
+using EventRecord = int (*)(void* event, void* stream);
+using WaitEvent = int (*)(void* stream, void* event, unsigned flags);
+using EventCreate = int (*)(void** event, unsigned flags);
+using EventDestroy = int (*)(void* event);
+
+// What a stream program calls.
+struct StreamDriver {
+  MemcpyAsync memcpyAsync;
+  MemsetD32Async memsetD32Async;
+  WriteValue64 writeValue64;
+  EventRecord eventRecord;
+  WaitEvent waitEvent;
+  EventCreate eventCreate;
+  EventDestroy eventDestroy;
+};
+
+const StreamDriver& streamDriver() {
+  static const StreamDriver d = [] {
+    StreamDriver d{};
+    d.memcpyAsync = reinterpret_cast<MemcpyAsync>(driverSymbol("cuMemcpyAsync"));
+    d.memsetD32Async = reinterpret_cast<MemsetD32Async>(driverSymbol("cuMemsetD32Async"));
+    // (what cuda.h's cuStreamWriteValue64 names since CUDA 11.7)
+    d.writeValue64 = reinterpret_cast<WriteValue64>(driverSymbol("cuStreamWriteValue64_v2"));
+    d.eventRecord = reinterpret_cast<EventRecord>(driverSymbol("cuEventRecord"));
+    d.waitEvent = reinterpret_cast<WaitEvent>(driverSymbol("cuStreamWaitEvent"));
+    d.eventCreate = reinterpret_cast<EventCreate>(driverSymbol("cuEventCreate"));
+    d.eventDestroy = reinterpret_cast<EventDestroy>(driverSymbol("cuEventDestroy_v2"));
+    return d;
+  }();
+  return d;
+}
+
+void check(int rc, const char* call) {
+  TORCH_CHECK(rc == 0, "tdist: ", call, " failed with CUDA error ", rc);
+}
+
+constexpr unsigned kEventDisableTiming = 2; // CU_EVENT_DISABLE_TIMING
+
+} // namespace
+
+void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  using CopyAsync = int (*)(uint64_t dst, const void* src, size_t bytes, void* stream);
+  static auto fn = reinterpret_cast<CopyAsync>(driverSymbol("cuMemcpyHtoDAsync_v2"));
+  int rc = fn(reinterpret_cast<uint64_t>(dst), src, bytes, stream);
+  TORCH_CHECK(rc == 0, "tdist: cuMemcpyHtoDAsync failed with CUDA error ", rc);
+}
+
+uint64_t captureId(const c10::Stream& stream) {
+  if (stream.device_type() != c10::DeviceType::CUDA) {
+    return 0;
+  }
+  using CaptureInfo = int (*)(
+      void* stream, int* status, uint64_t* id, void** graph, const void** deps, size_t* numDeps);
+  static auto fn = reinterpret_cast<CaptureInfo>(driverSymbol("cuStreamGetCaptureInfo_v2"));
+  int status = 0; // CU_STREAM_CAPTURE_STATUS_NONE
+  uint64_t id = 0;
+  int rc = fn(stream.native_handle(), &status, &id, nullptr, nullptr, nullptr);
+  if (rc != 0) { // the legacy stream while another stream captures: as a capture
+    return UINT64_MAX;
+  }
+  return status == 0 ? 0 : (id != 0 ? id : UINT64_MAX); // (an invalidated one counts)
+}
+
+void relaxThreadCaptureMode() {
+  using ExchangeMode = int (*)(int* mode);
+  void* sym = nullptr;
+  try {
+    sym = driverSymbol("cuThreadExchangeStreamCaptureMode");
+  } catch (const c10::Error&) {
+    return; // no CUDA driver: nothing to capture
+  }
+  int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+  reinterpret_cast<ExchangeMode>(sym)(&mode);
+}
+
+namespace driver {
+
+void launchKernel(
+    void* function,
+    const std::array<unsigned, 3>& grid,
+    unsigned threads,
+    unsigned sharedBytes,
+    void* stream,
+    void** params,
+    bool dependentLaunch) {
+  if (dependentLaunch) {
+    LaunchAttribute attr{};
+    attr.id = kAttributeProgrammaticStreamSerialization;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    LaunchConfig config{grid[0], grid[1], grid[2], threads, 1, 1, sharedBytes, stream, &attr, 1};
+    int rc = driverLaunchEx()(&config, function, params, nullptr);
+    TORCH_CHECK(rc == 0, "tdist: cuLaunchKernelEx failed with CUDA error ", rc);
+    return;
+  }
+  int rc = driverLaunch()(
+      function,
+      grid[0],
+      grid[1],
+      grid[2],
+      threads,
+      1,
+      1,
+      sharedBytes,
+      stream,
+      params,
+      nullptr);
+  TORCH_CHECK(rc == 0, "tdist: cuLaunchKernel failed with CUDA error ", rc);
+}
+
+bool recordIfLoaded(void* event, void* stream) {
+  static EventRecord driverRecord = []() -> EventRecord {
+    try {
+      return reinterpret_cast<EventRecord>(driverSymbol("cuEventRecord"));
+    } catch (const c10::Error&) {
+      return nullptr; // no CUDA driver (a ROCm build of torch)
+    }
+  }();
+  if (driverRecord == nullptr) {
+    return false;
+  }
+  int rc = driverRecord(event, stream);
+  TORCH_CHECK(rc == 0, "tdist: cuEventRecord failed with CUDA error ", rc);
+  return true;
+}
+
+void* eventCreate() {
+  void* event = nullptr;
+  check(streamDriver().eventCreate(&event, kEventDisableTiming), "cuEventCreate");
+  return event;
+}
+
+void eventDestroy(void* event) {
+  streamDriver().eventDestroy(event);
+}
+
+void eventRecord(void* event, void* stream) {
+  check(streamDriver().eventRecord(event, stream), "cuEventRecord");
+}
+
+void streamWaitEvent(void* stream, void* event) {
+  check(streamDriver().waitEvent(stream, event, 0), "cuStreamWaitEvent");
+}
+
+void memcpyAsync(uintptr_t dst, uintptr_t src, size_t bytes, void* stream) {
+  check(streamDriver().memcpyAsync(dst, src, bytes, stream), "cuMemcpyAsync");
+}
+
+void memsetD32Async(uintptr_t dst, unsigned value, size_t count, void* stream) {
+  check(streamDriver().memsetD32Async(dst, value, count, stream), "cuMemsetD32Async");
+}
+
+void streamWriteValue64(void* stream, uintptr_t address, uint64_t value) {
+  check(streamDriver().writeValue64(stream, address, value, 0), "cuStreamWriteValue64");
+}
+
+} // namespace driver
+
+} // namespace tdist
