@@ -40,7 +40,7 @@ def main():
     rank, world, device = start_job()
     os.environ["TDIST_OVERLAP"] = args.overlap
     if args.chunks:  # (the policy "pipelined" runs the first pipelined way)
-        torch_tdist.ops.WAYS = {f"pipelined {args.chunks}": ("pipelined", args.chunks), **torch_tdist.ops.WAYS}
+        torch_tdist.overlap.tuning.WAYS = {f"pipelined {args.chunks}": ("pipelined", args.chunks), **torch_tdist.overlap.tuning.WAYS}
     group = dist.new_group(backend="tdist")
     m, n, k = (int(v) for v in args.shape.split("x"))
     a, b = _operands(args.op, m, n, k, world, device, torch.Generator(device).manual_seed(rank))
@@ -65,7 +65,7 @@ def main():
             events = [e for e in json.load(f)["traceEvents"]
                       if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         t0 = min(e["ts"] for e in events)
-        chosen = list(torch_tdist.backend.get_executor(group).tuned.values()) if args.overlap == "tune" else ""
+        chosen = list(torch_tdist.overlap.state(group).tuning.tuned.values()) if args.overlap == "tune" else ""
         print(f"{args.op} {args.shape} {args.overlap} {chosen}, rank 0: stream, start (us), duration (us), what")
         for e in sorted(events, key=lambda e: e["ts"]):
             print(f"  {e['args'].get('stream')!s:>4} {e['ts'] - t0:9.1f} {e['dur']:8.1f}  {e['name'][:80]}")

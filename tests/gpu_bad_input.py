@@ -85,22 +85,26 @@ def main():
         lambda: dist.all_to_all_single(torch.empty(world << 20), torch.ones(world << 20), splits, splits,
                                        group=small),
         ["all_to_all_single"])
-    import torch_tdist.heap as heap
+    from torch_tdist.transports import nvshmem
 
-    real_library = heap.nvshmem_host_library
-    heap.nvshmem_host_library = lambda: "/nonexistent/libnvshmem_host.so.3"
-    os.environ["TDIST_TRANSPORT"] = "nvshmem"
-    no_nvshmem = dist.new_group(backend="tdist")
-    del os.environ["TDIST_TRANSPORT"]
-    extra["nvshmem transport without its library"] = (
-        lambda: dist.all_reduce(torch.ones(8), group=no_nvshmem), ["all_reduce"], (RuntimeError,))
+    real_library = nvshmem.host_library
+    nvshmem.host_library = lambda: "/nonexistent/libnvshmem_host.so.3"
+
+    def nvshmem_group():  # the transport cannot start: the group's creation raises, naming the wheel
+        os.environ["TDIST_TRANSPORT"] = "nvshmem"
+        try:
+            dist.new_group(backend="tdist")
+        finally:
+            del os.environ["TDIST_TRANSPORT"]
+
+    extra["nvshmem transport without its library"] = (nvshmem_group, ["nvidia-nvshmem"], (RuntimeError,))
     for name, (call, ops, *types) in extra.items():
         checked += 1
         problem = _expect_error(name, call, ops, *types)
         failures += [problem] if problem else []
         print(f"rank {rank}: {name:<32} {'ok' if not problem else 'FAILED'}", flush=True)
 
-    heap.nvshmem_host_library = real_library
+    nvshmem.host_library = real_library
     xs = [torch.randn(1000, generator=torch.Generator(device).manual_seed(r)) for r in range(world)]
     x = xs[rank].clone()
     dist.all_reduce(x)

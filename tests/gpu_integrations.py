@@ -68,7 +68,7 @@ def styles(rank, world, device):
     reference, ours = _block(device), _block(device)
     parallelize_module(reference, _mesh(dist.group.WORLD, "nccl styles", "cuda"), _plan(torch_styles, "block"))
     parallelize_module(ours, _mesh(tg, "tdist styles", "cuda"), _plan(tdist_styles, "block"))
-    executor = torch_tdist.get_executor(tg)
+    executor = torch_tdist.overlap.state(tg)
     for step in range(2):
         x = _input(rank, world, device, step)
         before = dict(executor.fused_calls)
@@ -95,7 +95,7 @@ def compiled(rank, world, device):
     tdist_mesh = _mesh(tg, "tdist compiled", "cuda")
     async_tp.enable(tdist_mesh)
     enable_symm_mem_for_group(dist.group.WORLD.group_name)  # torch's async TP on the NCCL group
-    executor = torch_tdist.get_executor(tg)
+    executor = torch_tdist.overlap.state(tg)
     for label, mesh in (("tdist", tdist_mesh), ("nccl", _mesh(dist.group.WORLD, "nccl compiled", "cuda"))):
         eager = _block(device)
         parallelize_module(eager, mesh, _plan(torch_styles, "block"))

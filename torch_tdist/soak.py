@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from .config import parse_size  # noqa: E402
 from .heap import shm_segment_names  # noqa: E402
+from .transports.shm import mapped_segments  # noqa: E402
 
 OPS = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
        "all_to_all_single", "broadcast", "reduce", "scatter", "gather")
@@ -31,8 +32,7 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 
 
 def _tdist_mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/tdist-" in line)
+    return mapped_segments()
 
 
 def _inputs(seed, ranks, numel, dtype, device):

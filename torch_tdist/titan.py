@@ -167,13 +167,14 @@ def _serve_async_tp():
 
 def _print_stats(trainer):
     from . import async_tp
-    from .backend import get_executor, is_tdist_group
+    from . import overlap
+    from .backend import is_tdist_group
 
     tp_mesh = trainer.parallel_dims.get_optional_mesh("tp")
     overlapped, tuned = {}, {}
     if tp_mesh is not None and is_tdist_group(tp_mesh.get_group()):
-        executor = get_executor(tp_mesh.get_group())
-        overlapped, tuned = dict(executor.fused_calls), executor.tuned
+        state = overlap.state(tp_mesh.get_group())
+        overlapped, tuned = dict(state.fused_calls), state.tuning.tuned
     print(f"[torch_tdist.titan] rank {os.environ.get('RANK')}: fused regions tdist ran {dict(async_tp.served)}, "
           f"overlapped calls {overlapped}, tuned {tuned}", flush=True)
 
