@@ -22,8 +22,8 @@ namespace tdist {
 
 class StreamProgram {
  public:
-  // `steps`: the executor's list (torch_tdist/collectives.py,
-  // Executor._stream_program); `sideStreams`: the side streams, each as
+  // `steps`: the recorded list (torch_tdist/overlap/replay.py,
+  // ProgramReplay._stream_program); `sideStreams`: the side streams, each as
   // torch.cuda.Stream's (stream_id, device_index, device_type).
   StreamProgram(
       const py::list& steps,

@@ -3,7 +3,7 @@ message that fits the bulk area), on the group's stream.
 
 all_gather pulls: every rank copies its input into its own area, passes the start barrier, and
 one copy engine pulls each peer's area into the output, one copy per peer (on H200s faster than
-any push, and than several streams at once: benchmarks/results/transfer_probe_NVIDIA_H200-x4.json);
+any push, and than several streams at once);
 an end barrier follows, since a rank refills its area only once every peer has pulled from it.
 
 reduce_scatter and all_reduce push: every rank pushes its data into its peers' slots in chunks,
@@ -43,15 +43,14 @@ from .triton_kernels import bulk
 KMAX = 64  # most chunks per slot in a round
 # Who pushes: "copy_engine" (copies on side streams; torch copies on the CPU) or "sm" (the
 # receiving kernel's first PUSH_PROGRAMS programs). The backend option bulk_push chooses; by default the
-# copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB: benchmarks/results/
-# collectives_NVIDIA_H200-x4-bulk-sm.json against collectives_NVIDIA_H200-x4-bulk.json).
+# copies on the CPU, the kernel on GPUs (faster on H200s at 16 to 256 MB).
 PUSHERS = ("copy_engine", "sm")
 DEFAULT_PUSHER = {"cpu": "copy_engine", "cuda": "sm"}
 # Bytes per chunk (fewer, larger chunks when KMAX would be exceeded); small on the CPU, so that
 # the tests' messages come in several chunks. On H200s 16 MB copy-engine chunks did best for
 # 64 MB messages: each costs a copy and a flag from Python (about 20 us of host time each).
 # Kernel pushes cost no host time per chunk; 1 MB chunks and 48 pushers of 132 programs did
-# best of the 9 settings in benchmarks/results/bulk_sm_tuning_NVIDIA_H200-x4.json.
+# best of 9 settings tried on H200s.
 CHUNK_BYTES = {"copy_engine": 4096 if language.INTERPRET else 16 << 20,
                "sm": 4096 if language.INTERPRET else 1 << 20}
 NO_LIMIT = 1 << 62
@@ -60,15 +59,13 @@ KERNEL_PROGRAMS = 1 if language.INTERPRET else 132  # one per H200 SM (programs 
 # The gather and reduce kernels without pushers wait only on flags that copy engines raise, so
 # their programs need not all be resident at once: on an H200, 264 programs reduced 4 parts of
 # 16 MB (flags already up) in 26.8 us (3.1 TB/s), 132 in 34.9 us (2.4 TB/s); 528 and 1056
-# smaller ones no faster than 132 (a throwaway probe, not kept; the overlap benchmark's
-# matmul_reduce_scatter geometric mean went 1.248x -> 1.295x with it).
+# smaller ones no faster than 132 (the overlap benchmark's matmul_reduce_scatter geometric mean
+# went 1.248x -> 1.295x with 264).
 RECEIVING_PROGRAMS = 1 if language.INTERPRET else 264
 # Their warps in the reduce kernel. On an H200, 4 parts of 117 MB (flags up) summed in 186.8 us
-# with 16, 195.2 with 8; on another 163.2 and 174.0 (benchmarks/results/reduce_probe_NVIDIA_H200
-# .json, -warps.json; a plain copy of the bytes: 3.5-3.7 TB/s). The pipelined
-# matmul_reduce_scatter with 16: 1.006x and 1.014x on 4 H200s (geometric means of the 9 overlap
-# shapes at 1 and 2 chunks; 0.991x-1.13x a shape), 1.000x and 1.002x on 2
-# (benchmarks/results/ab_reduce_scatter_NVIDIA_H200-x*.log).
+# with 16, 195.2 with 8; on another 163.2 and 174.0 (a plain copy of the bytes: 3.5-3.7 TB/s).
+# The pipelined matmul_reduce_scatter with 16: 1.006x and 1.014x on 4 H200s (geometric means of
+# the 9 overlap shapes at 1 and 2 chunks), 1.000x and 1.002x on 2.
 RECEIVING_WARPS = 16
 # Of those, the pushers with the "sm" pusher (the interpreter runs programs in order: pushers first).
 PUSH_PROGRAMS = 1 if language.INTERPRET else 48
@@ -387,19 +384,17 @@ class BulkPath:
         ``end_pieces`` pieces of whole rows (``row`` elements each), each taken as it lands.
 
         One stream of pulls, one copy per peer and chunk: on H200s peer-to-peer copies from
-        several streams at once, or in smaller pieces, were slower (benchmarks/results/
-        transfer_probe_NVIDIA_H200-x4.json), so the order they are queued in is the order they
-        land in."""
+        several streams at once, or in smaller pieces, were slower, so the order they are queued
+        in is the order they land in."""
         n, me, dtype = src.numel(), self.rank, src.dtype
         chunk = chunk or max(n, 1)
         n_chunks = max(1, -(-n // chunk))
         streams, side = self.streams, 1 if consume else 0
         # (the copy and the barrier on the main stream: on a side stream, beside this rank's own
-        # part, the barrier's kernel started only as the matmul ended (benchmarks/beside_probe.py)
-        # and the pulls with it; on 4 H200s 8192x4608x36864 took 1803 us instead of 1556, only
+        # part, the barrier's kernel started only as the matmul ended, and the pulls with it; on 4 H200s 8192x4608x36864 took 1803 us instead of 1556, only
         # matmul-bound shapes gained. With the barrier launched before the matmul and the copy on
         # a third stream: 1.003x, comm-bound shapes losing, the copy, which needs SMs as a kernel
-        # does, sharing them with the matmul: benchmarks/results/ab_all_gather_NVIDIA_H200-x4.log)
+        # does, sharing them with the matmul)
         streams.begin(side)
         streams.copy(0, self._slots(dtype)[:n], src)  # before the barrier tells the peers
         self._start_barrier(op, self._signature(call_word, n, n_chunks), sides=side)

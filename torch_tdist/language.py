@@ -153,8 +153,7 @@ def store_polled(ctx, ptr, value, peer, mask=None):
     """:func:`store` of data that a peer polls for (:func:`wait_filled`: data that are their own
     signal): a strong store at system scope (PTX ``st.global.wt``; STG.E.STRONG.SYS on H200s),
     which a polling peer is bound to see. A plain store is weak: on 4 H200s peers polling for
-    plain stores, fenced or not, sometimes saw them only once the storing kernel had ended
-    (triton_kernels/sentinel.py)."""
+    plain stores, fenced or not, sometimes saw them only once the storing kernel had ended."""
     tl.store(symm_at(ctx, ptr, peer), value, mask=mask, cache_modifier=".wt")
 
 
@@ -258,7 +257,7 @@ if INTERPRET:
     @jit
     def wait_filled(ctx, ptrs, mask):
         """Spin until no element of the block ``ptrs`` where ``mask`` holds is 0 (a mailbox at
-        rest holds zeros and senders never send one: see triton_kernels/sentinel.py); returns
+        rest holds zeros and senders never send one); returns
         the elements (0 where masked)."""
         _spin_filled(ptrs, mask, tl.load(ctx + CTX_TIMEOUT_MS), tl.load(ctx + CTX_ABORT))
         return tl.load(ptrs, mask=mask, other=0)
@@ -396,7 +395,7 @@ else:
     @jit
     def wait_filled(ctx, ptrs, mask):
         """Spin until no element of the block ``ptrs`` where ``mask`` holds is 0 (a mailbox at
-        rest holds zeros and senders never send one: see triton_kernels/sentinel.py), or the
+        rest holds zeros and senders never send one), or the
         group's abort word is set; returns the elements (0 where masked), read with volatile
         loads."""
         return _spin_block(ctx, ptrs, mask, 0, True)

@@ -10,7 +10,7 @@ copies. Waits are not here: a stream held by ``cuStreamWaitValue64`` could not g
 peer dies, so the bulk path waits with a kernel (``BulkPath._wait_for_peers``).
 
 While ``recording`` is a list, every step is also appended to it for C++ to replay
-(``Executor._stream_program``, csrc/stream_program.hpp): ``("copy", stream, dst, src)``,
+(``torch_tdist/overlap/replay.py``, csrc/stream_program.hpp): ``("copy", stream, dst, src)``,
 ``("zero", stream, tensor)``, ``("write", stream, address, value)``,
 ``("after", waiter, waited)`` (stream ``waiter`` after what is queued on ``waited``); the
 bulk path adds its matmuls and launches (``BulkPath.matmul``, ``BulkPath._kernel``), each

@@ -14,8 +14,7 @@ from .base import BLOCK, ONESHOT_PROGRAMS, Algorithm, Call, accumulator, call_wo
 from .context import MAILBOXES
 
 # Bytes one program moves per step (every rank's share together, so a rank's block is 1/LANES
-# of it): 32 KB led 16 KB and 64 KB in CUDA graphs on 4 H200s
-# (benchmarks/results/collectives_NVIDIA_H200-x4-oneshot-tiles.json).
+# of it): 32 KB led 16 KB and 64 KB in CUDA graphs on 4 H200s.
 ONESHOT_TILE_BYTES = 32768
 # A message of fewer than ONESHOT_PROGRAMS full tiles is spread over every program instead, in
 # tiles down to one 16-byte access per thread (faster for small reduce_scatters on H200s).

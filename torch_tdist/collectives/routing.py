@@ -19,8 +19,7 @@ from __future__ import annotations
 from .base import Call
 
 # GPU messages up to which tdist's kernels serve each op; larger ones go to NCCL (counted as
-# fallback), where tdist measured slower than 0.9x NCCL
-# (benchmarks/results/collectives_NVIDIA_H200-x4-*.json).
+# fallback), where tdist measured slower than 0.9x NCCL (docs/performance.md).
 GPU_SIZE_LIMITS = {
     "all_gather_into_tensor": 1 << 20, "all_gather": 1 << 20,
     "reduce_scatter_tensor": None, "all_reduce": 1 << 20,
@@ -36,8 +35,7 @@ BULK_FROM_BYTES = {
     "cpu": {"all_gather": 4 << 20, "reduce_scatter": 4 << 20, "all_reduce": None},
     "cuda": {"all_gather": None, "reduce_scatter": None, "all_reduce": None},
 }
-# From these sizes the streamed kernel serves (H200s: benchmarks/results/
-# collectives_NVIDIA_H200-x4-streamed.json); all-to-alls with split sizes at every size, since
+# From these sizes the streamed kernel serves (faster than one-shot there on H200s); all-to-alls with split sizes at every size, since
 # ranks' sizes differ and no size test would agree across ranks.
 STREAMED_FROM_BYTES = {
     "cpu": {"all_gather": None, "reduce_scatter": None, "all_reduce": None, "all_to_all": None,
@@ -45,8 +43,8 @@ STREAMED_FROM_BYTES = {
     "cuda": {"all_gather": (1 << 20) + 1, "reduce_scatter": 64 << 20, "all_reduce": (8 << 20) + 1,
              "all_to_all": (1 << 20) + 1, "all_to_all_v": 0},
 }
-# From these sizes all_reduce takes the two-shot kernel, below the streamed kernel's
-# (benchmarks/results/all_reduce_two_shot_NVIDIA_H200-x4.log).
+# From these sizes all_reduce takes the two-shot kernel, below the streamed kernel's (768 KB to
+# 8 MB: faster there than one-shot and streamed on 4 H200s in CUDA graphs).
 TWOSHOT_FROM_BYTES = {"cpu": {"all_reduce": None}, "cuda": {"all_reduce": 768 << 10}}
 # Up to these bytes per rank pair the low-latency kernel serves (faster than one-shot on 4
 # H200s in CUDA graphs; reduce_scatter was slower, so it stays one-shot).

@@ -73,7 +73,7 @@ def matmul_reduce_scatter(state, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     partial products for each peer, in ``chunks`` pieces, are pushed while the next are
     made, this rank's own last, then summed as they land (``BulkPath.reduce_scatter_pipelined``;
     torch.matmul writing them straight into the peers' heaps was 1.2x to 1.35x slower on
-    H200s: benchmarks/results/overlap_NVIDIA_H200-x4-rs-remote-write.json)."""
+    H200s)."""
     op = "matmul_reduce_scatter"
     m, n = out.shape
     rounds = _rounds(state, op, a, m, n, chunks)
