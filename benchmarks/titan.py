@@ -61,14 +61,14 @@ def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_pa
     """One torchtitan job; returns (steps {logged step: (loss, tps over the steps since the last
     logged one)}, rank 0's tdist stats line, exit code)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "torch_tdist.titan", "--backend", backend,
+               "-m", "torch_tdist.titan", "--backend", backend, "--stats",
                "--parallelism.tensor_parallel_degree", str(nproc), "--parallelism.data_parallel_shard_degree", "1",
                "--compile.enable", "--activation_checkpoint.mode", "none", "--metrics.log_freq", str(log_freq),
                "--metrics.disable_color_printing", "--checkpoint.no-enable", "--training.dataset", "synthetic",
                "--debug.seed", "42", "--comm.trace_buf_size", "0", "--job.dump_folder", f"/tmp/titan_{backend}",
                "--parallelism.enable_async_tensor_parallel" if async_tp else "--parallelism.no-enable_async_tensor_parallel",
                *flags]
-    full_env = {**os.environ, "TDIST_TITAN_STATS": "1", **(env or {})}
+    full_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:
         code = subprocess.run(command, env=full_env, stdout=log, stderr=subprocess.STDOUT, timeout=560).returncode
     steps, stats = {}, None

@@ -36,6 +36,8 @@ _WORDS = ("the of and to in is was for on that with as by at from his her it an 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     backend = _pop_option(argv, "--backend", "tdist")
+    stats = _pop_flag(argv, "--stats")  # print what tdist served, once training ends
+    data_seed = int(_pop_option(argv, "--data-seed", "0"))  # of the synthetic dataset's sentences
     if backend not in BACKENDS:
         raise SystemExit(f"torch_tdist.titan: --backend {backend}; expected one of {', '.join(BACKENDS)}")
     if not any(a.split("=")[0] == "--model.hf_assets_path" for a in argv):
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # torchtitan's init_distributed picks the backend of its device type from this map
     dist.Backend.default_device_backend_map["cuda"] = backend
-    _add_synthetic_dataset()
+    _add_synthetic_dataset(data_seed)
     _add_8b_flavors()
     _serve_async_tp()
 
@@ -54,11 +56,18 @@ def main(argv: list[str] | None = None) -> None:
 
     class _Trainer(Trainer):
         def close(self):
-            if os.environ.get("TDIST_TITAN_STATS") == "1":
+            if stats:
                 _print_stats(self)
             super().close()
 
     train(_Trainer)
+
+
+def _pop_flag(argv: list[str], name: str) -> bool:
+    if name in argv:
+        argv.remove(name)
+        return True
+    return False
 
 
 def _pop_option(argv: list[str], name: str, default: str) -> str:
@@ -117,7 +126,7 @@ def write_tokenizer(directory: str, vocab: int = TOKENIZER_VOCAB) -> str:
     return directory
 
 
-def _add_synthetic_dataset():
+def _add_synthetic_dataset(data_seed: int = 0):
     import datasets
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets import text_datasets
@@ -125,8 +134,7 @@ def _add_synthetic_dataset():
     def load(path):
         import itertools
 
-        seed = int(os.environ.get("TDIST_TITAN_DATA_SEED", "0"))
-        rows = [{"text": s} for s in itertools.islice(_sentences(seed), 20000)]
+        rows = [{"text": s} for s in itertools.islice(_sentences(data_seed), 20000)]
         return datasets.Dataset.from_list(rows) if hasattr(datasets.Dataset, "from_list") else datasets.Dataset(rows)
 
     text_datasets.DATASETS["synthetic"] = DatasetConfig(path="synthetic", loader=load,
