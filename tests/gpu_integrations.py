@@ -64,7 +64,7 @@ def styles(rank, world, device):
 
     from torch_tdist import parallel as tdist_styles
 
-    tg = _tdist_group({"TDIST_OVERLAP": "pipelined"})
+    tg = _tdist_group({"overlap": "pipelined"})
     reference, ours = _block(device), _block(device)
     parallelize_module(reference, _mesh(dist.group.WORLD, "nccl styles", "cuda"), _plan(torch_styles, "block"))
     parallelize_module(ours, _mesh(tg, "tdist styles", "cuda"), _plan(tdist_styles, "block"))
@@ -91,7 +91,7 @@ def compiled(rank, world, device):
 
     from torch_tdist import async_tp
 
-    tg = _tdist_group({"TDIST_OVERLAP": "pipelined"})
+    tg = _tdist_group({"overlap": "pipelined"})
     tdist_mesh = _mesh(tg, "tdist compiled", "cuda")
     async_tp.enable(tdist_mesh)
     enable_symm_mem_for_group(dist.group.WORLD.group_name)  # torch's async TP on the NCCL group

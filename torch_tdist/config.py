@@ -24,7 +24,7 @@ Backend options only, for measurements (every rank of a group must give the same
 | ``bulk_push`` | the device's | who pushes on the bulk path: ``copy_engine`` or ``sm`` |
 | ``streamed_step_blocks`` | ``1`` | blocks per step and program of the streamed kernel |
 | ``streamed_min_block_bytes`` | ``16384`` | the smallest block the streamed kernel cuts a short share into (a power of two) |
-| ``dependent_launch`` | ``True`` | ``False``: kernels start in plain stream order, without programmatic dependent launch |
+| ``dependent_launch`` | ``True`` | ``False``: kernels are launched without programmatic dependent launch (they keep its wait instruction, which then returns at once) |
 
 This module imports nothing of torch_tdist, so that every layer may use it.
 """
@@ -69,6 +69,12 @@ def parse_size(text: str, what: str = "TDIST_HEAP_SIZE") -> int:
     return int(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+# The keys a group's backend options (pg_options) may hold.
+OPTION_KEYS = ("transport", "heap_size", "algorithm", "overlap", "async_error_handling", "check_calls",
+               "gpu_kernels", "gpu_size_limits", "uneven_all_to_all", "bulk_push", "streamed_step_blocks",
+               "streamed_min_block_bytes", "dependent_launch")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A group's settings (the tables above); build it with :meth:`from_options`."""
@@ -93,6 +99,11 @@ class Config:
         filling in what they leave out. ``choices``: the values each of "transport", "algorithm",
         "overlap" and "bulk_push" may take, and "streamed_min_block_bytes": its (least, most)."""
         options = options or {}
+        unknown = sorted(set(options) - set(OPTION_KEYS)) if isinstance(options, dict) else []
+        if unknown:  # (a misspelt key would otherwise leave its default in force without a word)
+            raise ValueError(
+                f"tdist: unknown backend option(s) {', '.join(map(repr, unknown))}; expected keys among "
+                f"{', '.join(OPTION_KEYS)} (the TDIST_* variables are read from the environment)")
 
         def setting(key: str, variable: str | None, default):
             """(value, where it came from: the variable's name or the option's)."""

@@ -14,8 +14,9 @@ Written for torchtitan 0.2.2 (the release for torch 2.11) on GPUs. Before the tr
 - stands in for ``datasets`` and ``torch.utils.tensorboard`` where they are not installed (only
   the Hugging Face loaders and the TensorBoard writer need them).
 
-With ``TDIST_TITAN_STATS=1`` every rank prints, at the end, the fused regions tdist ran, the
-overlapped calls of its TP group and the way tuning chose per shape class.
+With ``--stats`` every rank prints, at the end, the fused regions tdist ran, the overlapped calls
+of its TP group and the way tuning chose per shape class; ``--data-seed N`` seeds the sentences of
+the ``synthetic`` dataset.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ one-shot kernel, whose mailboxes, call words, flags and epochs this kernel share
 rule holds across both kernels (a rank that starts call ``e + 2`` has seen every peer's first
 signal of ``e + 1``, so every peer has finished ``e``, second halves included). ``gathered`` is
 this kernel's own ``[WORLD][MAXP]`` block (epochs only grow, so ``>=`` never misses one). Its
-call word carries a bit of its own (collectives.TWOSHOT_CALL_BIT), so a peer that serves the
+call word carries a bit of its own (collectives.twoshot.TWOSHOT_CALL_BIT), so a peer that serves the
 same call one-shot (another TDIST_ALGORITHM) sees a different call.
 """
 
