@@ -1019,7 +1019,7 @@ def _relative(name, got, want, tolerance=1e-2):
 
 
 def shmem_calls(tg, rank, world, device, gen):
-    """Every torch_tdist.shmem_device call in one kernel (tests/jobs_shmem.py), on GPUs."""
+    """Every torch_tdist.shmem_device function in one kernel (tests/jobs_shmem.py), on GPUs."""
     if not NVSHMEM:
         return
     from tests.jobs_shmem import _ring_puts

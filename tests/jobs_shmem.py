@@ -1,4 +1,4 @@
-"""Jobs for test_shmem.py: the NVSHMEM-named device calls (torch_tdist.shmem_device) in user
+"""Jobs for test_shmem.py: the NVSHMEM-named device functions (torch_tdist.shmem_device) in user
 kernels, the hierarchical all-gather and the MoE dispatch example, on the interpreter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torch_tdist.shmem_device calls, the hierarchical all-gather and the MoE dispatch example,
+"""torch_tdist.shmem_device functions, the hierarchical all-gather and the MoE dispatch example,
 across real processes on the interpreter; NVSHMEM's bootstrap errors."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""NVSHMEM device calls for tdist kernels, named like Triton-distributed's ``libshmem_device``.
+"""NVSHMEM device functions for tdist kernels, named like Triton-distributed's ``libshmem_device``.
 
 These reach any PE, also on other nodes, where ``torch_tdist.language``'s loads and stores
 reach P2P-mapped peers only. Addresses are symmetric: ``dest`` and ``sig_addr`` point into
