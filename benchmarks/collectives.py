@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch_tdist  # noqa: E402
 from timing import in_turn, slowest, start_job, time_loop_us, write_result  # noqa: E402
 from torch_tdist.config import parse_size  # noqa: E402
+from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 
 _cpu_group = None  # Gloo, to combine timings across ranks
 _async_op = False  # --async-op
@@ -47,9 +48,9 @@ def _moe_splits(world, tokens=MOE_TOKENS, seed=0):
 def _call(op, group, inp, out):
     kw = {"group": group, "async_op": _async_op}
     if op == "all_gather":
-        work = dist.all_gather_into_tensor(out, inp, **kw)
+        work = all_gather_single(out, inp, **kw)
     elif op == "reduce_scatter":
-        work = dist.reduce_scatter_tensor(out, inp, **kw)
+        work = reduce_scatter_single(out, inp, **kw)
     elif op == "all_reduce":
         work = dist.all_reduce(inp, **kw)
     elif op == "all_to_all_single":

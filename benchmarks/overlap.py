@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
+from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 from timing import in_turn, slowest, start_job, time_loop, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
@@ -60,7 +61,7 @@ def _calls(op, a, b, world, tdist_group, fused_group, pipelined_group, symm_grou
         gathered = torch.empty(world * a.shape[0], a.shape[1], device=a.device, dtype=a.dtype)
 
         def collective():
-            dist.all_gather_into_tensor(gathered, a)
+            all_gather_single(gathered, a)
 
         def sequential():
             collective()
@@ -75,10 +76,10 @@ def _calls(op, a, b, world, tdist_group, fused_group, pipelined_group, symm_grou
     scattered = torch.empty(product.shape[0] // world, product.shape[1], device=a.device, dtype=a.dtype)
 
     def collective():
-        dist.reduce_scatter_tensor(scattered, product)
+        reduce_scatter_single(scattered, product)
 
     def sequential():
-        dist.reduce_scatter_tensor(scattered, a @ b)
+        reduce_scatter_single(scattered, a @ b)
         return scattered
     return {"tdist": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=tdist_group),
             "fused": lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=fused_group),

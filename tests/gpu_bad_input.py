@@ -21,6 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402,F401
+from torch_tdist.compat import all_gather_single  # noqa: E402
 from tests import jobs_bad_input as J  # noqa: E402
 from tests.gpu_checks import report_and_exit  # noqa: E402
 
@@ -73,7 +74,7 @@ def main():
     other = torch.device("cuda", (local + 1) % torch.cuda.device_count())
     extra = {
         "input on another GPU": (lambda: dist.all_reduce(torch.ones(1024, device=other)), ["all_reduce"]),
-        "output on another GPU": (lambda: dist.all_gather_into_tensor(
+        "output on another GPU": (lambda: all_gather_single(
             torch.empty(1024 * world, device=other), torch.ones(1024)), ["all_gather_into_tensor"]),
     }
     os.environ["TDIST_HEAP_SIZE"] = "1M"

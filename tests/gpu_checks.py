@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch_tdist  # noqa: E402
 from torch_tdist import overlap  # noqa: E402
 from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
+from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 from torch_tdist.overlap import pipelined  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
@@ -70,7 +71,7 @@ def _gathered(x, world):
     """fn(group): ``x`` all-gathered into an output filled with 7s first."""
     def gather(g):
         out = torch.full((x.numel() * world,), 7, dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=g)
+        all_gather_single(out, x, group=g)
         return out
     return gather
 
@@ -129,7 +130,7 @@ def every_op(tg, rank, world, device, gen):
                     def reduce_scatter(g):
                         src = torch.cat([y] * world) + rank if name != "product" else torch.cat([y] * world)
                         out = torch.full_like(y, 7)
-                        dist.reduce_scatter_tensor(out, src, op=rop, group=g)
+                        reduce_scatter_single(out, src, op=rop, group=g)
                         return out
                     _check(f"reduce_scatter {name} {tag}", *_pair(reduce_scatter, tg))
     handed = torch_tdist.stats(tg)["all_to_all_single"]["fallback"] - handed_before
@@ -423,8 +424,8 @@ def stream_changes(tg, rank, world, device, gen):
         want_y, want_z = torch.empty(4096 * world, device=device), torch.empty(4096, device=device)
         for t in (want_x, want_v, want_w):
             dist.all_reduce(t)
-        dist.all_gather_into_tensor(want_y, y)
-        dist.reduce_scatter_tensor(want_z, z)
+        all_gather_single(want_y, y)
+        reduce_scatter_single(want_z, z)
         got_y, got_z = torch.full_like(want_y, 7), torch.full_like(want_z, 7)
         _calls_across_streams(tg, a, side, x, v, w, y, z, got_y, got_z)
         _check(f"async all_reduce before a call on another stream #{trial}", x, want_x)
@@ -446,8 +447,8 @@ def _calls_across_streams(tg, a, side, x, v, w, y, z, got_y, got_z):
         a @ a
     work = dist.all_reduce(x, group=tg, async_op=True)
     with torch.cuda.stream(side):
-        dist.all_gather_into_tensor(got_y, y, group=tg)
-    dist.reduce_scatter_tensor(got_z, z, group=tg)
+        all_gather_single(got_y, y, group=tg)
+    reduce_scatter_single(got_z, z, group=tg)
     with torch.cuda.stream(side):
         for _ in range(4):
             a @ a
@@ -480,8 +481,8 @@ def captured_stream_changes(tg, rank, world, device, gen):
         for t in (want_x, want_v, want_w):
             dist.all_reduce(t)
         want_y, want_z = torch.empty_like(got_y), torch.empty_like(got_z)
-        dist.all_gather_into_tensor(want_y, fresh[3])
-        dist.reduce_scatter_tensor(want_z, fresh[4])
+        all_gather_single(want_y, fresh[3])
+        reduce_scatter_single(want_z, fresh[4])
         _check(f"captured async all_reduce #{replay}", x, want_x)
         _check(f"captured all_gather on a side stream #{replay}", got_y, want_y)
         _check(f"captured reduce_scatter on the caller's stream #{replay}", got_z, want_z)
@@ -518,7 +519,7 @@ def _graph_replays(group, label, n, ag_n, ag_dtype, replays, warmups, device, ge
 
     def calls():
         dist.all_reduce(static_x, group=group)
-        dist.all_gather_into_tensor(static_ag, static_ag_in, group=group)
+        all_gather_single(static_ag, static_ag_in, group=group)
     graph = _captured(calls, warmups)
     for i in range(replays):
         x = torch.randn(n, device=device, generator=gen)
@@ -528,7 +529,7 @@ def _graph_replays(group, label, n, ag_n, ag_dtype, replays, warmups, device, ge
         graph.replay()
         want_x, want_ag = x.clone(), torch.empty_like(static_ag)
         dist.all_reduce(want_x)
-        dist.all_gather_into_tensor(want_ag, y)
+        all_gather_single(want_ag, y)
         _check(f"{label}graph replay {i} all_reduce", static_x, want_x)
         _check(f"{label}graph replay {i} all_gather", static_ag, want_ag)
 
@@ -574,7 +575,7 @@ def _large_calls(group, label, sizes, world, device, gen):
 
                 def reduce_scatter(g):
                     out = torch.full((n,), 7, dtype=dtype, device=device)
-                    dist.reduce_scatter_tensor(out, wide, op=REDUCE_OPS[name], group=g)
+                    reduce_scatter_single(out, wide, op=REDUCE_OPS[name], group=g)
                     return out
                 _check(f"reduce_scatter {name} {tag}", *_pair(reduce_scatter, group))
 
@@ -739,7 +740,7 @@ def fused_after_async(tg, rank, world, device, gen):
             summed = x.clone()
             dist.all_reduce(summed)  # (NCCL)
             a_full = torch.empty(world * m, k, device=device)
-            dist.all_gather_into_tensor(a_full, summed.view(m, k).float())
+            all_gather_single(a_full, summed.view(m, k).float())
             dist.barrier()
             torch.cuda.synchronize()
             out = _in_turn(side, lambda: dist.all_reduce(x, group=og, async_op=True),
@@ -812,11 +813,11 @@ def pipelined_graphs(tg, rank, world, device, gen):
             _failures.append("pipelined_graphs: the heap did not take the pipelined ops")
             return
         a_full = torch.empty(world * m, k, device=device)
-        dist.all_gather_into_tensor(a_full, a.float())
+        all_gather_single(a_full, a.float())
         _relative(f"graphs all_gather_matmul call {call}", out, a_full @ b.float())
         _relative(f"graphs all_gather_matmul gathered A call {call}", a_out, a_full, tolerance=0)
         want = torch.empty(m, n, device=device)
-        dist.reduce_scatter_tensor(want, rs_a.float() @ b.float())
+        reduce_scatter_single(want, rs_a.float() @ b.float())
         _relative(f"graphs matmul_reduce_scatter call {call}", rs_out, want)
     global _checked
     _checked += 1
@@ -848,7 +849,7 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
                     _failures.append("pipelined_tf32_switch: the heap did not take the pipelined op")
                     return
                 a_full = torch.empty(world * m, k, device=device, dtype=torch.float64)
-                dist.all_gather_into_tensor(a_full, a.double())
+                all_gather_single(a_full, a.double())
                 want = a_full @ b.double()
                 err = ((out.double() - want).norm() / want.norm()).item()
                 exact = err < 1e-5
@@ -910,12 +911,12 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
             label = f"back to back burst {burst} call {i} {kind}"
             if kind == "ag":
                 a_full = torch.empty(world * m, k, device=device)
-                dist.all_gather_into_tensor(a_full, x.float())
+                all_gather_single(a_full, x.float())
                 _relative(label, outs[0], a_full @ b.float())
                 _relative(f"{label} gathered A", outs[1], a_full, tolerance=0)
             elif kind == "rs":
                 want = torch.empty(m, n, device=device)
-                dist.reduce_scatter_tensor(want, x.float() @ b.float())
+                reduce_scatter_single(want, x.float() @ b.float())
                 _relative(label, outs[0], want)
             else:
                 want = x.float()
@@ -971,10 +972,10 @@ def _ops_in_user_graph(policy, group, world, device, gen):
         graph.replay()
         label = f"user graph {policy} replay {replay}"
         a_full = torch.empty(world * m, k, device=device)
-        dist.all_gather_into_tensor(a_full, a.float())
+        all_gather_single(a_full, a.float())
         _relative(f"{label} all_gather_matmul", outs[0], a_full @ b_up.float())
         down = torch.empty(m, k, device=device)
-        dist.reduce_scatter_tensor(down, outs[0].float() @ b_down.float())
+        reduce_scatter_single(down, outs[0].float() @ b_down.float())
         _relative(f"{label} matmul_reduce_scatter", outs[1], down)
         summed = x.float()
         dist.all_reduce(summed)
@@ -996,7 +997,7 @@ def _ops_against_nccl(tg, label, rank, world, device, gen):
         w = torch.randn(out.shape, device=device, generator=gen)
         (out.float() * w).sum().backward()
         a_full = torch.empty(world * m, k, device=device)
-        dist.all_gather_into_tensor(a_full, a.detach().float())
+        all_gather_single(a_full, a.detach().float())
         _relative(f"{label} all_gather_matmul {m}x{n}x{k}", out, a_full @ b.detach().float())
         grad_full = w @ b.detach().float().t()
         dist.all_reduce(grad_full)
@@ -1006,7 +1007,7 @@ def _ops_against_nccl(tg, label, rank, world, device, gen):
         a2 = torch.randn(world * m, k, device=device, generator=gen).to(torch.bfloat16)
         out2 = torch_tdist.ops.matmul_reduce_scatter(a2, b.detach(), group=tg)
         want = torch.empty(m, n, device=device)
-        dist.reduce_scatter_tensor(want, a2.float() @ b.detach().float())
+        reduce_scatter_single(want, a2.float() @ b.detach().float())
         _relative(f"{label} matmul_reduce_scatter {m}x{n}x{k}", out2, want)
 
 
@@ -1055,7 +1056,7 @@ def hierarchical(tg, rank, world, device, gen):
         for trial, n in enumerate((1001, 1 << 20)):
             x = torch.randn(n, device=device, generator=gen).to(torch.bfloat16)
             want = torch.empty(world * n, dtype=x.dtype, device=device)
-            dist.all_gather_into_tensor(want, x)
+            all_gather_single(want, x)
             got = torch.full_like(want, float("nan"))
             torch_tdist.hierarchical_all_gather(got, x, ranks_per_node, group=tg)
             _check(f"hierarchical all_gather {world // ranks_per_node}x{ranks_per_node} n={n}", got, want)

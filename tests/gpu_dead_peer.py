@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 import torch_tdist.ops  # noqa: E402
 from torch_tdist.backend import _tdist_backend  # noqa: E402
+from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 
 TIMEOUT_S = 10
 VICTIM = int(os.environ.get("TDIST_DEAD_RANK", "1"))  # the rank that kills itself
@@ -81,10 +82,10 @@ def _call(case, group, world, device):
         return None
     if op == "all_gather":
         x = torch.randn(n, device=device)
-        return dist.all_gather_into_tensor(torch.empty(world * n, device=device), x, group=group, async_op=True)
+        return all_gather_single(torch.empty(world * n, device=device), x, group=group, async_op=True)
     x = torch.randn(n * world, device=device)
     if op == "reduce_scatter":
-        return dist.reduce_scatter_tensor(torch.empty(n, device=device), x, group=group, async_op=True)
+        return reduce_scatter_single(torch.empty(n, device=device), x, group=group, async_op=True)
     if op == "all_reduce":
         return dist.all_reduce(x, group=group, async_op=True)
     return dist.all_to_all_single(torch.empty_like(x), x, group=group, async_op=True)

@@ -5,25 +5,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_tdist.compat import all_gather_single, reduce_scatter_single
+
 R = dist.ReduceOp
 
 
 def _agit_output_too_big(ws):
-    dist.all_gather_into_tensor(torch.empty(ws * 4 + 1), torch.randn(4))
+    all_gather_single(torch.empty(ws * 4 + 1), torch.randn(4))
 
 
 def _agit_output_too_small(ws):
-    dist.all_gather_into_tensor(torch.empty(ws * 4 - 1), torch.randn(4))
+    all_gather_single(torch.empty(ws * 4 - 1), torch.randn(4))
 
 
 def _rst_output_wrong_size(ws):
-    dist.reduce_scatter_tensor(torch.empty(5), torch.randn(ws * 4))
+    reduce_scatter_single(torch.empty(5), torch.randn(ws * 4))
 
 
 def _rst_indivisible(ws):
     # 10 input elements cannot be split over 3 ranks; output of 3 (3*3 != 10)
     assert ws == 3
-    dist.reduce_scatter_tensor(torch.empty(3), torch.randn(10))
+    reduce_scatter_single(torch.empty(3), torch.randn(10))
 
 
 def _ag_list_too_long(ws):
@@ -35,11 +37,11 @@ def _ag_list_too_short(ws):
 
 
 def _agit_dtype_mismatch(ws):
-    dist.all_gather_into_tensor(torch.empty(ws * 4, dtype=torch.float64), torch.randn(4))
+    all_gather_single(torch.empty(ws * 4, dtype=torch.float64), torch.randn(4))
 
 
 def _rst_dtype_mismatch(ws):
-    dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.float16), torch.randn(ws * 4))
+    reduce_scatter_single(torch.empty(4, dtype=torch.float16), torch.randn(ws * 4))
 
 
 def _a2a_input_splits_bad_sum(ws):
@@ -97,7 +99,7 @@ def _band_on_bfloat16(ws):
 
 
 def _avg_on_int64_reduce_scatter(ws):
-    dist.reduce_scatter_tensor(torch.empty(4, dtype=torch.int64), torch.ones(ws * 4, dtype=torch.int64), op=R.AVG)
+    reduce_scatter_single(torch.empty(4, dtype=torch.int64), torch.ones(ws * 4, dtype=torch.int64), op=R.AVG)
 
 
 def _avg_on_bool(ws):
@@ -172,7 +174,7 @@ def _mismatched_call(rank, ws, case, seed):
     g = torch.Generator().manual_seed(seed + rank)
     if case == "size":  # rank 0 gathers 4 elements, the others 6
         n = 4 if rank == 0 else 6
-        dist.all_gather_into_tensor(torch.empty(n * ws), torch.randn(n, generator=g))
+        all_gather_single(torch.empty(n * ws), torch.randn(n, generator=g))
     elif case == "dtype":  # rank 0 reduces int32, the others float32
         x = torch.randint(0, 9, (8,), generator=g, dtype=torch.int32) if rank == 0 else torch.randn(8, generator=g)
         dist.all_reduce(x)
@@ -181,7 +183,7 @@ def _mismatched_call(rank, ws, case, seed):
         if rank == 0:
             dist.all_reduce(x)
         else:
-            dist.all_gather_into_tensor(torch.empty(8 * ws), x)
+            all_gather_single(torch.empty(8 * ws), x)
     return "returned without raising"
 
 

@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch_tdist.compat import all_gather_single, reduce_scatter_single
+
 from tests.common import (Checker, bits, dt, kind_for, noncontig_empty, noncontig_rand, poison,
                           poison_like, rand, rank_gen, reduce_op, ref_reduce, shared_gen)
 
@@ -40,7 +42,7 @@ def all_gather_into_tensor(rank, ws, dtype, seed):
         mine = ins[rank].clone()
         expected = torch.cat(ins, 0)
         out = poison_like(expected)
-        dist.all_gather_into_tensor(out, ins[rank])
+        all_gather_single(out, ins[rank])
         chk.equal(out, expected, f"shape {shape}")
         chk.equal(ins[rank], mine, f"shape {shape}: input modified")
 
@@ -48,7 +50,7 @@ def all_gather_into_tensor(rank, ws, dtype, seed):
     ins = _all_nc_inputs(seed, ws, (3, 5), dtype, salt)
     expected = torch.cat(ins, 0)
     out = poison_like(expected)
-    dist.all_gather_into_tensor(out, ins[rank])
+    all_gather_single(out, ins[rank])
     chk.equal(out, expected, "transposed input (3, 5)")
 
     salt += 1  # strided 1-D input
@@ -56,14 +58,14 @@ def all_gather_into_tensor(rank, ws, dtype, seed):
     ins = [b[::2] for b in bases]
     expected = torch.cat(ins, 0)
     out = poison_like(expected)
-    dist.all_gather_into_tensor(out, ins[rank])
+    all_gather_single(out, ins[rank])
     chk.equal(out, expected, "strided input [::2]")
 
     salt += 1  # non-contiguous output
     ins = _all_inputs(seed, ws, (3, 5), dtype, salt)
     expected = torch.cat(ins, 0)
     out = noncontig_empty((3 * ws, 5), dt(dtype))
-    dist.all_gather_into_tensor(out, ins[rank])
+    all_gather_single(out, ins[rank])
     chk.equal(out, expected, "transposed output (3*ws, 5)")
     chk.done()
 
@@ -75,7 +77,7 @@ def all_gather_into_tensor_stacked(rank, ws, dtype, seed):
         ins = _all_inputs(seed, ws, shape, dtype, salt)
         expected = torch.stack(ins, 0)
         out = poison_like(expected)
-        dist.all_gather_into_tensor(out, ins[rank])
+        all_gather_single(out, ins[rank])
         chk.equal(out, expected, f"input {shape} -> output {tuple(expected.shape)}")
     chk.done()
 
@@ -159,7 +161,7 @@ def reduce_scatter_tensor(rank, ws, dtype, op, seed):
         mine = ins[rank].clone()
         expected = ref_reduce([x[rank * n:(rank + 1) * n] for x in ins], op)
         out = poison(out_shape, d)
-        dist.reduce_scatter_tensor(out, ins[rank], op=rop)
+        reduce_scatter_single(out, ins[rank], op=rop)
         chk.close(out, expected, f"output {out_shape}", op)
         chk.equal(ins[rank], mine, f"output {out_shape}: input modified")
     if op == "SUM":
@@ -167,14 +169,14 @@ def reduce_scatter_tensor(rank, ws, dtype, op, seed):
         ins = _all_nc_inputs(seed, ws, (2 * ws, 5), dtype, salt, kind)
         expected = ref_reduce([x[rank * 2:(rank + 1) * 2] for x in ins], op)
         out = poison((2, 5), d)
-        dist.reduce_scatter_tensor(out, ins[rank], op=rop)
+        reduce_scatter_single(out, ins[rank], op=rop)
         chk.close(out, expected, "transposed input (2*ws, 5)", op)
 
         salt += 1  # transposed output
         ins = _all_inputs(seed, ws, (2 * ws, 5), dtype, salt, kind)
         expected = ref_reduce([x[rank * 2:(rank + 1) * 2] for x in ins], op)
         out = noncontig_empty((2, 5), d)
-        dist.reduce_scatter_tensor(out, ins[rank], op=rop)
+        reduce_scatter_single(out, ins[rank], op=rop)
         chk.close(out, expected, "transposed output (2, 5)", op)
     chk.done()
 
@@ -186,7 +188,7 @@ def reduce_scatter_tensor_stacked(rank, ws, dtype, op, seed):
     ins = _all_inputs(seed, ws, (ws, 2, 3), dtype, 1, kind)
     expected = ref_reduce([x[rank] for x in ins], op)
     out = poison((2, 3), dt(dtype))
-    dist.reduce_scatter_tensor(out, ins[rank], op=reduce_op(op))
+    reduce_scatter_single(out, ins[rank], op=reduce_op(op))
     chk.close(out, expected, "input (ws, 2, 3) -> output (2, 3)", op)
     chk.done()
 
@@ -485,8 +487,8 @@ def async_ops(rank, ws, dtype, seed, mode="wait", ops=None):
     agl = [poison((4,), d, seed=400 + j) for j in range(ws)]
     launch = [
         ("all_reduce", lambda: dist.all_reduce(ar, async_op=True), ar),
-        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(ag, ag_in[rank], async_op=True), ag),
-        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs, rs_in[rank], async_op=True), rs),
+        ("all_gather_into_tensor", lambda: all_gather_single(ag, ag_in[rank], async_op=True), ag),
+        ("reduce_scatter_tensor", lambda: reduce_scatter_single(rs, rs_in[rank], async_op=True), rs),
         ("broadcast", lambda: dist.broadcast(bct, src=ws - 1, async_op=True), bct),
         ("all_to_all_single", lambda: dist.all_to_all_single(a2a, a2a_in[rank], async_op=True), a2a),
         ("all_gather", lambda: dist.all_gather(agl, agl_in[rank], async_op=True), agl[0]),
@@ -540,13 +542,13 @@ def coalescing_manager_calls(rank, ws, seed):
         gathered = [poison((ws * ws * (3 + k),), dt("float32")) for k in range(3)]
         with _coalescing_manager(async_ops=async_ops) as cm:
             for k in range(3):
-                dist.all_gather_into_tensor(gathered[k], parts[k][rank])
+                all_gather_single(gathered[k], parts[k][rank])
         if async_ops:
             cm.wait()
         scattered = [poison((3 + k,), dt("float32")) for k in range(3)]
         with _coalescing_manager(async_ops=async_ops) as cm:
             for k in range(3):
-                dist.reduce_scatter_tensor(scattered[k], parts[k][rank])
+                reduce_scatter_single(scattered[k], parts[k][rank])
         if async_ops:
             cm.wait()
         reduced = [parts[k][rank].clone() for k in range(3)]
@@ -576,7 +578,7 @@ def profiled_calls(rank, ws, seed):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         dist.all_reduce(t)
         out = poison((ws * 37,), dt("float32"))
-        dist.all_gather_into_tensor(out, ins[rank])
+        all_gather_single(out, ins[rank])
     chk.close(t, ref_reduce(ins, "SUM") * ws, "all_reduce twice, the second under the profiler")
     chk.equal(out, torch.cat(ins), "all_gather_into_tensor under the profiler")
     names = [e.name for e in prof.events()]
@@ -633,12 +635,12 @@ def back_to_back(rank, ws, seed, iters=24):
         elif which == 1:
             ins = _all_inputs(seed, ws, (n,), dtype, i)
             out = poison((ws * n,), d)
-            dist.all_gather_into_tensor(out, ins[rank])
+            all_gather_single(out, ins[rank])
             chk.equal(out, torch.cat(ins), f"iter {i}: all_gather_into_tensor n={n} {dtype}")
         elif which == 2:
             ins = _all_inputs(seed, ws, (ws * n,), dtype, i, "sum")
             out = poison((n,), d)
-            dist.reduce_scatter_tensor(out, ins[rank])
+            reduce_scatter_single(out, ins[rank])
             chk.close(out, ref_reduce([x[rank * n:(rank + 1) * n] for x in ins], "SUM"),
                       f"iter {i}: reduce_scatter_tensor n={n} {dtype}")
         elif which == 3:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_tdist.compat import (funcol_all_gather, funcol_all_gather_coalesced, funcol_reduce_scatter,
+                                 funcol_reduce_scatter_coalesced)
+
 from tests.common import Checker, dt, poison, rand, rank_gen, ref_reduce, shared_gen, stats_diff, stats_snapshot
 
 
@@ -99,15 +102,15 @@ def functional_collectives(rank, ws, dtype, seed):
     before = stats_snapshot(group)
 
     ins = [rand((3, 5), d, rank_gen(seed, j, 1)) for j in range(ws)]
-    chk.equal(_local(funcol.all_gather_tensor(ins[rank], 0, group)), torch.cat(ins, 0), "all_gather_tensor dim 0")
-    chk.equal(_local(funcol.all_gather_tensor(ins[rank], 1, group)), torch.cat(ins, 1), "all_gather_tensor dim 1")
+    chk.equal(_local(funcol_all_gather(ins[rank], 0, group)), torch.cat(ins, 0), "all_gather_tensor dim 0")
+    chk.equal(_local(funcol_all_gather(ins[rank], 1, group)), torch.cat(ins, 1), "all_gather_tensor dim 1")
 
     ins = [rand((2 * ws, 3), d, rank_gen(seed, j, 2), "sum") for j in range(ws)]
     tot = ref_reduce(ins, "SUM")
-    chk.close(_local(funcol.reduce_scatter_tensor(ins[rank], "sum", 0, group)),
+    chk.close(_local(funcol_reduce_scatter(ins[rank], "sum", 0, group)),
               tot[2 * rank:2 * rank + 2], "reduce_scatter_tensor sum dim 0")
     ins = [rand((3, 2 * ws), d, rank_gen(seed, j, 3), "sum") for j in range(ws)]
-    chk.close(_local(funcol.reduce_scatter_tensor(ins[rank], "avg", 1, group)),
+    chk.close(_local(funcol_reduce_scatter(ins[rank], "avg", 1, group)),
               ref_reduce(ins, "AVG")[:, 2 * rank:2 * rank + 2], "reduce_scatter_tensor avg dim 1", "AVG")
 
     ins = [rand((7, 3), d, rank_gen(seed, j, 4), "sum") for j in range(ws)]
@@ -149,12 +152,12 @@ def coalesced_collectives(rank, ws, dtype, seed):
 
     shapes = [(3, 5), (7,), (2 * ws, 2)]
     ins = [[rand(s, d, rank_gen(seed, j, 10 + k)) for k, s in enumerate(shapes)] for j in range(ws)]
-    outs = funcol.all_gather_into_tensor_coalesced(ins[rank], group)
+    outs = funcol_all_gather_coalesced(ins[rank], group)
     for k in range(len(shapes)):
         chk.equal(_local(outs[k]), torch.cat([ins[j][k] for j in range(ws)]), f"functional all_gather coalesced [{k}]")
 
     ins = [[rand((2 * ws, 3), d, rank_gen(seed, j, 20 + k), "sum") for k in range(2)] for j in range(ws)]
-    outs = funcol.reduce_scatter_tensor_coalesced(ins[rank], "sum", [0, 0], group)
+    outs = funcol_reduce_scatter_coalesced(ins[rank], "sum", [0, 0], group)
     for k in range(2):
         tot = ref_reduce([ins[j][k] for j in range(ws)], "SUM")
         chk.close(_local(outs[k]), tot[2 * rank:2 * rank + 2], f"functional reduce_scatter coalesced [{k}]")

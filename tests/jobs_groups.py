@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import torch_tdist
 from torch_tdist.backend import is_tdist_group
+from torch_tdist.compat import all_gather_single, reduce_scatter_single
 
 from tests.common import (Checker, poison, rand, rank_gen, ref_reduce, shared_gen,
                           stats_diff, stats_snapshot)
@@ -51,7 +52,7 @@ def run_group_suite(chk, group, members, seed, salt, rooted=False):
     # all_gather_into_tensor / all_gather
     ins = inputs((3, 2), "int64", 3)
     out = poison((3 * n, 2), torch.int64)
-    dist.all_gather_into_tensor(out, ins[gr], group=group)
+    all_gather_single(out, ins[gr], group=group)
     chk.equal(out, torch.cat(ins), f"{tag} all_gather_into_tensor int64")
     ins = inputs((5,), "float16", 4)
     outs = [poison((5,), torch.float16, seed=500 + j) for j in range(n)]
@@ -62,7 +63,7 @@ def run_group_suite(chk, group, members, seed, salt, rooted=False):
     # reduce_scatter_tensor
     ins = inputs((4 * n, 3), "float32", 5, "sum")
     out = poison((4, 3), torch.float32)
-    dist.reduce_scatter_tensor(out, ins[gr], group=group)
+    reduce_scatter_single(out, ins[gr], group=group)
     chk.close(out, ref_reduce([x[4 * gr:4 * gr + 4] for x in ins], "SUM"), f"{tag} reduce_scatter_tensor")
 
     # broadcast from the last member (src is a global rank)
@@ -118,7 +119,7 @@ def check_default_group(chk, seed, salt=999):
     dist.all_reduce(t)
     chk.close(t, ref_reduce(ins, "SUM"), "default group all_reduce afterwards")
     out = poison((11 * ws,), torch.float32)
-    dist.all_gather_into_tensor(out, ins[rank])
+    all_gather_single(out, ins[rank])
     chk.equal(out, torch.cat(ins), "default group all_gather_into_tensor afterwards")
     dist.barrier()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch_tdist.compat import all_gather_single, reduce_scatter_single
+
 
 def _inputs(seed, ws, n, dtype):
     return [torch.randn(n, generator=torch.Generator().manual_seed(seed * 31 + r)).to(dtype) for r in range(ws)]
@@ -22,12 +24,12 @@ def every_op_in_rounds(rank, ws, n, dtype_name, seed):
     x = xs[rank]
 
     out = torch.full((ws * n,), float("nan"), dtype=dtype)
-    dist.all_gather_into_tensor(out, x)
+    all_gather_single(out, x)
     assert torch.equal(out, torch.cat(xs)), "all_gather_into_tensor: wrong result"
 
     wide = _inputs(seed + 1, ws, ws * n, dtype)
     rs = torch.full((n,), float("nan"), dtype=dtype)
-    dist.reduce_scatter_tensor(rs, wide[rank])
+    reduce_scatter_single(rs, wide[rank])
     _close(rs, sum(w.float() for w in wide)[rank * n:(rank + 1) * n], "reduce_scatter_tensor")
 
     ar = x.clone()
@@ -74,7 +76,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     x = xs[rank]
 
     out = torch.full((ws * n,), float("nan"), dtype=dtype)
-    dist.all_gather_into_tensor(out, x)
+    all_gather_single(out, x)
     assert torch.equal(out, torch.cat(xs)), "all_gather_into_tensor: wrong result"
     _broadcast_checked(xs, ws - 1)
     parts = [torch.full((n,), float("nan"), dtype=dtype) for _ in range(ws)]
@@ -91,7 +93,7 @@ def large_messages(rank, ws, n, dtype_name, seed):
     for name, want in (("SUM", stacked.sum(0)), ("AVG", stacked.mean(0)), ("MAX", stacked.amax(0)),
                        ("MIN", stacked.amin(0))):
         rs = torch.full((n,), float("nan"), dtype=dtype)
-        dist.reduce_scatter_tensor(rs, wide[rank], op=getattr(dist.ReduceOp, name))
+        reduce_scatter_single(rs, wide[rank], op=getattr(dist.ReduceOp, name))
         _close(rs, want[rank * n:(rank + 1) * n], f"reduce_scatter_tensor {name}")
     rs = torch.full((n,), float("nan"), dtype=dtype)
     dist.reduce_scatter(rs, [t.clone() for t in wide[rank].view(ws, n)])
@@ -254,7 +256,7 @@ def bulk_mismatched_then_refused(rank, ws):
     outcomes = []
     for n in (100 if rank == 0 else 200, 8):
         try:
-            dist.all_gather_into_tensor(torch.empty(ws * n), torch.randn(n))
+            all_gather_single(torch.empty(ws * n), torch.randn(n))
             outcomes.append(("returned", ""))
         except Exception as err:  # noqa: BLE001  (the test inspects it)
             outcomes.append((type(err).__name__, str(err)))

@@ -21,6 +21,7 @@ def _rank(rank, world, store_path, op, results):
     import torch.distributed as dist
 
     import torch_tdist  # noqa: F401
+    from torch_tdist.compat import all_gather_single, reduce_scatter_single
 
     op, _, algorithm = op.partition(" ")  # e.g. "all_reduce streamed": TDIST_ALGORITHM=streamed
     os.environ["TDIST_ALGORITHM"] = algorithm or "auto"
@@ -31,8 +32,8 @@ def _rank(rank, world, store_path, op, results):
     if rank == DEAD_RANK:
         os.kill(os.getpid(), signal.SIGKILL)
     calls = {
-        "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(64 * world), x),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(64 // world * 1), x[: 64 // world * world]),
+        "all_gather": lambda: all_gather_single(torch.empty(64 * world), x),
+        "reduce_scatter": lambda: reduce_scatter_single(torch.empty(64 // world * 1), x[: 64 // world * world]),
         "all_reduce": lambda: dist.all_reduce(x),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty(63), x[:63]),
     }

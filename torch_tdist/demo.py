@@ -18,6 +18,8 @@ from .launch import device_kind, run_local  # sets the NVLink-multicast safety v
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from .compat import all_gather_single, reduce_scatter_single  # noqa: E402
+
 SIZES = (1000, 65536)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 REPEATS = 5
@@ -50,11 +52,11 @@ def _cases(rank, world, n, dtype, device, seed):
     cases = []
 
     out = torch.empty(n * world, dtype=dtype, device=device)
-    cases.append(("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, x),
+    cases.append(("all_gather_into_tensor", lambda: all_gather_single(out, x),
                   torch.cat(xs), out))
 
     rs = torch.empty(chunk, dtype=dtype, device=device)
-    cases.append(("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs, x[:chunk * world]),
+    cases.append(("reduce_scatter_tensor", lambda: reduce_scatter_single(rs, x[:chunk * world]),
                   sum(t[:chunk * world] for t in xs)[rank * chunk:(rank + 1) * chunk], rs))
 
     ar = x.clone()

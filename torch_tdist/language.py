@@ -61,6 +61,10 @@ def _dependent_launch() -> bool:
     return not INTERPRET and torch.version.hip is None
 
 
+# The AMD architectures every kernel is compiled for (tests/test_compile.py checks each on the
+# CPU): MI300X and MI355X. A ROCm GPU of another architecture is refused when a group is created.
+AMD_ARCHS = ("gfx942", "gfx950")
+
 DEPENDENT_LAUNCH = _dependent_launch()
 """Whether kernels can be launched with programmatic dependent launch (CUDA GPUs): see
 :func:`wait_prior_kernels`."""

@@ -21,6 +21,7 @@ from .launch import device_kind, run_local  # sets the NVLink-multicast safety v
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from .compat import all_gather_single, reduce_scatter_single  # noqa: E402
 from .config import parse_size  # noqa: E402
 from .heap import shm_segment_names  # noqa: E402
 from .transports.shm import mapped_segments  # noqa: E402
@@ -101,7 +102,7 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
     global_root = members[root]
     if op == "all_gather_into_tensor":
         got = torch.empty(numel * world, dtype=dtype, device=device)
-        work = dist.all_gather_into_tensor(got, x, group=group, async_op=use_async)
+        work = all_gather_single(got, x, group=group, async_op=use_async)
         want = torch.cat(xs)
     elif op == "all_gather":
         outs = [torch.empty_like(x) for _ in range(world)]
@@ -109,7 +110,7 @@ def _step(rng, step, seed, groups, rank, device, max_bytes):
         got, want = outs, torch.cat(xs)
     elif op == "reduce_scatter_tensor":
         got = torch.empty(chunk, dtype=dtype, device=device)
-        work = dist.reduce_scatter_tensor(got, x, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
+        work = reduce_scatter_single(got, x, op=REDUCE_OPS[reduce_name], group=group, async_op=use_async)
         want = _reduce(xs, reduce_name)[me * chunk:(me + 1) * chunk]
     elif op == "all_reduce":
         got = x.clone()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ..backend import _tdist_backend
+from ..compat import all_gather_single, funcol_reduce_scatter, reduce_scatter_single
 from . import fused, pipelined, tuning
 from .state import state_of
 
@@ -51,10 +51,6 @@ def _dim(op: str, name: str, dim: int, ndim: int) -> int:
 
 
 # ---- the sequential path ------------------------------------------------------------------
-# torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_funcol_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _row_major(t: Tensor) -> Tensor:
@@ -81,14 +77,14 @@ def with_strides(t: Tensor, strides) -> Tensor:
 def _all_gather(x: Tensor, dim: int, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((group.size() * rows.shape[0], *rows.shape[1:]))
-    _all_gather_single(out, rows, group=group)
+    all_gather_single(out, rows, group=group)
     return _row_major(out.movedim(0, dim))
 
 
 def _reduce_scatter(x: Tensor, dim: int, reduce_op: str, group) -> Tensor:
     rows = x.movedim(dim, 0).contiguous()
     out = rows.new_empty((rows.shape[0] // group.size(), *rows.shape[1:]))
-    _reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
+    reduce_scatter_single(out, rows, op=REDUCE_OPS[reduce_op], group=group)
     return _row_major(out.movedim(0, dim))
 
 
@@ -204,7 +200,7 @@ def _gather_backward(ctx, grad_a_full, grad_outs):
             torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
             ctx.group_name, dim, "sum")
     if ctx.return_a and grad_a_full is not None:
-        extra = _funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
+        extra = funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
         grad_a = extra if grad_a is None else grad_a + extra
     return grad_a, grad_bs, None, None, None
 
