@@ -15,6 +15,7 @@ decides from that report.
 import importlib.util
 import os
 import socket
+import types
 
 import pytest
 import torch
@@ -290,6 +291,40 @@ def test_hip_handles_carry_what_a_peer_checks_before_mapping():
         with pytest.raises(ValueError) as info:
             hip_ipc.unpack_handle(bad, 1 << 20, host="node-a")
         assert "transport 'hip'" in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_without_an_amd_gpu_each_hip_call_reaches_the_runtime_and_fails_naming_the_call():
+    """With hip-python and HIP's runtime library but no AMD GPU (the runtime says so itself),
+    every call of ``hip_device`` goes through hip-python's bindings (names, arguments and result
+    tuples as tdist uses them) to the runtime, and fails naming the call. What the calls do on a
+    GPU is not checked here."""
+    if not HAS_HIP_PYTHON:
+        pytest.skip("hip-python is not installed here")
+    try:
+        hip_device.require("hip")
+    except transports.TransportUnavailable as err:
+        pytest.skip(str(err))
+    from hip import hip
+
+    err, count = hip.hipGetDeviceCount()
+    if err == hip.hipError_t.hipSuccess and count > 0:
+        pytest.skip("HIP sees an AMD GPU here")
+    gpu, ops = torch.device("cuda", 0), hip_device.STREAM_OPS
+    stream = ops.stream(types.SimpleNamespace(cuda_stream=0))  # (the null stream)
+    calls = {
+        "hipSetDevice": [lambda: hip_device.malloc(1 << 20, gpu), lambda: hip_device.ipc_handle(4096, gpu),
+                         lambda: hip_device.open_ipc_handle(bytes(hip_ipc.IPC_HANDLE_BYTES), gpu),
+                         lambda: hip_device.map_host_page(4096, 4096, gpu)],
+        "hipEventCreateWithFlags": [ops.event],
+        "hipEventRecord": [lambda: ops.wait_after(stream, stream, hip.ihipEvent_t.fromObj(0))],
+        "hipMemcpyAsync": [lambda: ops.copy(stream, 4096, 8192, 64)],
+        "hipMemsetD32Async": [lambda: ops.zero32(stream, 4096, 16)],
+        "hipStreamWriteValue64": [lambda: ops.write_value(stream, 4096, -1)],
+    }
+    for call, attempts in calls.items():
+        for attempt in attempts:
+            with pytest.raises(RuntimeError, match=f"tdist: {call} failed: "):
+                attempt()
 
 
 @pytest.mark.tdist_only
