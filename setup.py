@@ -107,7 +107,8 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "cuda": ["cuda-python>=13,<14", _NVSHMEM.format("cu13")],
         "cuda12": ["cuda-python>=12.6.2,<13", _NVSHMEM.format("cu12")],
-        "rocm": ["hip-python>=6.2"],  # (hip-python starts at ROCm 6.2 on PyPI)
+        # hip-python starts at ROCm 6.2 on PyPI; its 10.0 is a stub that names other packages
+        "rocm": ["hip-python>=6.2,<8"],
     },
     zip_safe=False,
 )
