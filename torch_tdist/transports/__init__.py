@@ -21,6 +21,7 @@ _REGISTRY = {
     "shm": "shm:ShmTransport",
     "cuda": "cuda_ipc:CudaIpcTransport",
     "nvshmem": "nvshmem:NvshmemTransport",
+    "rocshmem": "rocshmem:RocshmemTransport",
 }
 _LOADED: dict[str, Transport] = {}
 
