@@ -22,7 +22,7 @@ library tdist loads as libnvshmem_host.so.3). CPU machines need neither: a group
 whose transport lacks its package raises at init_process_group / new_group,
 naming the extra to install.
 
-On a ROCm build of torch the extension's device calls are HIP's (HIP's headers
+On a ROCm build of torch the extension's GPU driver functions are HIP's (HIP's headers
 and libamdhip64 from torch's ROCm, ROCM_HOME). The ``rocshmem`` transport (AMD
 GPUs over several nodes) is compiled in only when the build is pointed at a
 ROCSHMEM install, the directory holding include/rocshmem/rocshmem.hpp and

@@ -1,4 +1,4 @@
-// The device calls of device_shim.hpp. On NVIDIA (the default) they are CUDA
+// The driver functions of device_shim.hpp. On NVIDIA (the default) they are CUDA
 // driver calls, each taken from libcuda.so.1 by name the first time it is
 // needed. On a ROCm build of torch (BuildExtension defines USE_ROCM for every
 // source, also a CppExtension's, and hipifies none of them) they are the HIP
