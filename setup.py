@@ -112,7 +112,8 @@ def _extension():
     return cpp_extension.CppExtension(
         "torch_tdist._C",
         # (rocshmem_bootstrap.cpp only with ROCSHMEM)
-        [s for s in _sources("csrc/*.cpp") if not s.endswith("rocshmem_bootstrap.cpp")] + build.pop("sources"),
+        [s for s in _sources("csrc/*.cpp") if not s.endswith("rocshmem_bootstrap.cpp")]
+        + build.pop("sources"),
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=_libstdcxx_link_args() + build.pop("extra_link_args"),
         **build,

@@ -88,8 +88,8 @@ class RocshmemSegment(Segment):
 
 def device_library() -> str:
     """Path of ROCSHMEM's device bitcode, from the install the extension was built against."""
-    ext = _extension()
-    found = os.path.join(ext.rocshmem_library_dir, "librocshmem_device.bc") if ext and ext.rocshmem_library_dir else ""
+    directory = getattr(_extension(), "rocshmem_library_dir", "")
+    found = os.path.join(directory, "librocshmem_device.bc") if directory else ""
     if not found or not os.path.exists(found):
         raise RuntimeError(
             f"tdist: kernels with ROCSHMEM calls need librocshmem_device.bc "
