@@ -30,12 +30,23 @@ where pip's choice does not match your ROCm, install the one that does
 
 CPU machines need none of these: a group whose transport lacks its package
 raises at init_process_group / new_group, naming the extra to install.
+
+On a ROCm build of torch the extension's GPU driver functions are HIP's (HIP's headers
+and libamdhip64 from torch's ROCm, ROCM_HOME). The ``rocshmem`` transport (AMD
+GPUs over several nodes) is compiled in only when the build is pointed at a
+ROCSHMEM install, the directory holding include/rocshmem/rocshmem.hpp and
+lib/librocshmem_host.so (and lib/librocshmem_device.bc, which kernels link):
+
+    TDIST_ROCSHMEM_HOME=/opt/rocm pip install --no-build-isolation -e ".[rocm]"
+
+Without it, TDIST_TRANSPORT=rocshmem raises at init_process_group, saying so.
 """
 
 import glob
 import os
 import subprocess
 
+import torch
 from setuptools import setup
 
 from torch.utils import cpp_extension
@@ -79,12 +90,42 @@ def _sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def _device_build():
+    """What the extension needs beyond torch's CPU headers: on a ROCm torch, HIP's headers and
+    runtime (BuildExtension defines USE_ROCM for device_shim.cpp's HIP branch); with
+    TDIST_ROCSHMEM_HOME (read here, at build time only), ROCSHMEM's bootstrap."""
+    build = {"sources": [], "include_dirs": [], "library_dirs": [], "libraries": [], "define_macros": [],
+             "extra_link_args": []}
+    if cpp_extension.IS_HIP_EXTENSION:
+        build["include_dirs"].append(os.path.join(cpp_extension.ROCM_HOME, "include"))
+        build["library_dirs"].append(os.path.join(cpp_extension.ROCM_HOME, "lib"))
+        build["libraries"].append("amdhip64")
+    home = os.environ.get("TDIST_ROCSHMEM_HOME")
+    if home:
+        if not cpp_extension.IS_HIP_EXTENSION:
+            raise SystemExit(f"TDIST_ROCSHMEM_HOME={home}: ROCSHMEM needs a ROCm build of torch "
+                             f"(and ROCM_HOME); this torch is {torch.__version__}")
+        if not os.path.exists(os.path.join(home, "include", "rocshmem", "rocshmem.hpp")):
+            raise SystemExit(f"TDIST_ROCSHMEM_HOME={home} has no include/rocshmem/rocshmem.hpp")
+        build["sources"].append("csrc/rocshmem_bootstrap.cpp")
+        build["include_dirs"].append(os.path.join(home, "include"))
+        build["library_dirs"].append(os.path.join(home, "lib"))
+        build["libraries"].append("rocshmem_host")
+        build["extra_link_args"].append(f"-Wl,-rpath,{os.path.join(home, 'lib')}")
+        build["define_macros"].append(("TDIST_WITH_ROCSHMEM", "1"))
+    return build
+
+
 def _extension():
+    build = _device_build()
     return cpp_extension.CppExtension(
         "torch_tdist._C",
-        _sources("csrc/*.cpp"),
+        # (rocshmem_bootstrap.cpp only with ROCSHMEM)
+        [s for s in _sources("csrc/*.cpp") if not s.endswith("rocshmem_bootstrap.cpp")]
+        + build.pop("sources"),
         extra_compile_args={"cxx": CXX_FLAGS},
-        extra_link_args=_libstdcxx_link_args(),
+        extra_link_args=_libstdcxx_link_args() + build.pop("extra_link_args"),
+        **build,
     )
 
 

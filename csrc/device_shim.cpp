@@ -1,11 +1,140 @@
-// The CUDA driver calls of device_shim.hpp, each taken from libcuda.so.1 by
-// name the first time it is needed.
+// The driver functions of device_shim.hpp. On NVIDIA (the default) they are CUDA
+// driver calls, each taken from libcuda.so.1 by name the first time it is
+// needed. On a ROCm build of torch (BuildExtension defines USE_ROCM for every
+// source, also a CppExtension's, and hipifies none of them) they are the HIP
+// runtime's, called directly: setup.py adds HIP's headers and libamdhip64 there.
 #include "device_shim.hpp"
 
 #include <dlfcn.h>
 
 #include <c10/core/DeviceType.h>
 #include <c10/util/Exception.h>
+
+#ifdef USE_ROCM
+#include <hip/hip_runtime_api.h>
+
+namespace tdist {
+
+namespace {
+
+void check(hipError_t rc, const char* call) {
+  TORCH_CHECK(rc == hipSuccess, "tdist: ", call, " failed with HIP error ", static_cast<int>(rc),
+              " (", hipGetErrorString(rc), ")");
+}
+
+hipStream_t asStream(void* stream) {
+  return static_cast<hipStream_t>(stream);
+}
+
+hipEvent_t asEvent(void* event) {
+  return static_cast<hipEvent_t>(event);
+}
+
+} // namespace
+
+void* driverSymbol(const char* name) {
+  // (the extension links libamdhip64, the runtime torch loaded)
+  void* sym = dlsym(RTLD_DEFAULT, name);
+  TORCH_CHECK(sym != nullptr, "tdist: the HIP runtime has no ", name);
+  return sym;
+}
+
+void copyHostToDevice(void* dst, const void* src, size_t bytes, void* stream) {
+  // (hipMemcpyHtoDAsync stages pageable host memory before it returns, as CUDA's does)
+  check(hipMemcpyHtoDAsync(dst, const_cast<void*>(src), bytes, asStream(stream)),
+        "hipMemcpyHtoDAsync");
+}
+
+uint64_t captureId(const c10::Stream& stream) {
+  if (stream.device_type() != c10::DeviceType::CUDA) { // (a ROCm torch names its GPUs cuda)
+    return 0;
+  }
+  hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (hipStreamGetCaptureInfo(asStream(stream.native_handle()), &status, &id) != hipSuccess) {
+    return UINT64_MAX; // the legacy stream while another stream captures: as a capture
+  }
+  return status == hipStreamCaptureStatusNone ? 0 : (id != 0 ? id : UINT64_MAX);
+}
+
+void relaxThreadCaptureMode() {
+  hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
+  (void)hipThreadExchangeStreamCaptureMode(&mode);
+}
+
+namespace driver {
+
+// (AMD GPUs have no programmatic dependent launch: the flag changes nothing)
+void launchKernel(void* function, const std::array<unsigned, 3>& grid, unsigned threads,
+                  unsigned sharedBytes, void* stream, void** params, bool) {
+  check(
+      hipModuleLaunchKernel(
+          static_cast<hipFunction_t>(function),
+          grid[0],
+          grid[1],
+          grid[2],
+          threads,
+          1,
+          1,
+          sharedBytes,
+          asStream(stream),
+          params,
+          nullptr),
+      "hipModuleLaunchKernel");
+}
+
+bool recordIfLoaded(void* event, void* stream) {
+  check(hipEventRecord(asEvent(event), asStream(stream)), "hipEventRecord");
+  return true;
+}
+
+void* eventCreate() {
+  hipEvent_t event = nullptr;
+  check(hipEventCreateWithFlags(&event, hipEventDisableTiming), "hipEventCreateWithFlags");
+  return event;
+}
+
+void eventDestroy(void* event) {
+  (void)hipEventDestroy(asEvent(event));
+}
+
+void eventRecord(void* event, void* stream) {
+  check(hipEventRecord(asEvent(event), asStream(stream)), "hipEventRecord");
+}
+
+void streamWaitEvent(void* stream, void* event) {
+  check(hipStreamWaitEvent(asStream(stream), asEvent(event), 0), "hipStreamWaitEvent");
+}
+
+void memcpyAsync(uintptr_t dst, uintptr_t src, size_t bytes, void* stream) {
+  check(
+      hipMemcpyAsync(
+          reinterpret_cast<void*>(dst),
+          reinterpret_cast<const void*>(src),
+          bytes,
+          hipMemcpyDefault,
+          asStream(stream)),
+      "hipMemcpyAsync");
+}
+
+void memsetD32Async(uintptr_t dst, unsigned value, size_t count, void* stream) {
+  check(
+      hipMemsetD32Async(
+          reinterpret_cast<hipDeviceptr_t>(dst), static_cast<int>(value), count, asStream(stream)),
+      "hipMemsetD32Async");
+}
+
+void streamWriteValue64(void* stream, uintptr_t address, uint64_t value) {
+  check(
+      hipStreamWriteValue64(asStream(stream), reinterpret_cast<void*>(address), value, 0),
+      "hipStreamWriteValue64");
+}
+
+} // namespace driver
+
+} // namespace tdist
+
+#else // CUDA
 
 namespace tdist {
 
@@ -232,3 +361,5 @@ void streamWriteValue64(void* stream, uintptr_t address, uint64_t value) {
 } // namespace driver
 
 } // namespace tdist
+
+#endif // USE_ROCM

@@ -1,8 +1,9 @@
-// The CUDA driver as the backend uses it: every driver call in csrc/ goes
+// The device driver as the backend uses it: every driver call in csrc/ goes
 // through these functions (the NVSHMEM host library has its own loader,
-// nvshmem_bootstrap.cpp). The driver library is the one torch loaded, opened
-// at run time, so the extension builds without a CUDA toolkit and with CPU
-// torch; another vendor's driver would implement the same functions.
+// nvshmem_bootstrap.cpp). On NVIDIA they are the CUDA driver's, from the
+// library torch loaded, opened at run time, so the extension builds without a
+// CUDA toolkit and with CPU torch. On a ROCm build of torch (USE_ROCM) they are
+// the HIP runtime's (device_shim.cpp's HIP branch); handles are then HIP's.
 #pragma once
 
 #include <array>
@@ -14,7 +15,7 @@
 namespace tdist {
 
 // A symbol of the CUDA driver library torch loaded (taken at run time, so the
-// extension builds without a CUDA toolkit).
+// extension builds without a CUDA toolkit); of the HIP runtime on ROCm.
 void* driverSymbol(const char* name);
 
 // Copies `bytes` of pageable host memory to device memory on `stream` (a native
@@ -27,12 +28,14 @@ uint64_t captureId(const c10::Stream& stream);
 // Lets the calling thread query events while other threads capture graphs.
 void relaxThreadCaptureMode();
 
-// Driver calls on native handles (CUfunction, CUstream, CUevent) and device
-// addresses; each raises "tdist: <call> failed with CUDA error <rc>".
+// Driver calls on native handles (CUfunction, CUstream, CUevent; their HIP
+// counterparts on ROCm) and device addresses; each raises "tdist: <call> failed
+// with CUDA error <rc>" (HIP error on ROCm).
 namespace driver {
 
 // cuLaunchKernel with `threads` threads a block, or cuLaunchKernelEx with
-// programmatic dependent launch allowed.
+// programmatic dependent launch allowed (hipModuleLaunchKernel on ROCm, where
+// there is no dependent launch).
 void launchKernel(
     void* function,
     const std::array<unsigned, 3>& grid,
@@ -42,8 +45,8 @@ void launchKernel(
     void** params,
     bool dependentLaunch);
 
-// cuEventRecord for an event c10 created; false, with nothing recorded, when
-// no CUDA driver is loaded (a ROCm build of torch).
+// cuEventRecord (hipEventRecord on ROCm) for an event c10 created; false, with
+// nothing recorded, when no CUDA driver is loaded.
 bool recordIfLoaded(void* event, void* stream);
 
 // What a replayed stream program (stream_program.hpp) queues. Their symbols

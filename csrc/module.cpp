@@ -9,6 +9,12 @@
 namespace py = pybind11;
 using tdist::ProcessGroupTDist;
 
+#ifdef TDIST_WITH_ROCSHMEM
+namespace tdist::rocshmem {
+void bind(py::module_& m); // rocshmem_bootstrap.cpp (setup.py: TDIST_ROCSHMEM_HOME)
+} // namespace tdist::rocshmem
+#endif
+
 namespace {
 
 using FallbackMap =
@@ -163,4 +169,7 @@ PYBIND11_MODULE(_C, m) {
       "nvshmem_init_module",
       &tdist::nvshmem::initModule,
       py::arg("cu_module"));
+#ifdef TDIST_WITH_ROCSHMEM
+  tdist::rocshmem::bind(m);
+#endif
 }

@@ -25,6 +25,7 @@ _REGISTRY = {
     "cuda": "cuda_ipc:CudaIpcTransport",
     "nvshmem": "nvshmem:NvshmemTransport",
     "hip": "hip_ipc:HipIpcTransport",
+    "rocshmem": "rocshmem:RocshmemTransport",
 }
 # The GPU transports of each build of PyTorch: (within one host, across hosts). A transport
 # named here serves that build's GPUs only; one named nowhere serves any build.
