@@ -42,8 +42,8 @@ ROCM_INSTALL = 'pip install -e ".[rocm]"'
 
 
 def test_the_registry_names_every_transport_and_resolves_auto():
-    assert transports.names() == ("shm", "cuda", "nvshmem", "hip")
-    assert heap.TRANSPORTS == ("auto", "shm", "cuda", "nvshmem", "hip")
+    assert transports.names() == ("shm", "cuda", "nvshmem", "hip", "rocshmem")
+    assert heap.TRANSPORTS == ("auto", "shm", "cuda", "nvshmem", "hip", "rocshmem")
     for name in transports.names():
         transport = transports.get(name)
         assert isinstance(transport, transports.Transport) and transport.name == name
@@ -51,11 +51,12 @@ def test_the_registry_names_every_transport_and_resolves_auto():
     assert transports.get("shm").device_types == ("cpu",)
     assert transports.get("hip").device_types == ("cuda",)  # (a ROCm torch's GPUs are "cuda" devices)
     assert transports.get("nvshmem").collective and not transports.get("cuda").collective
+    assert transports.get("rocshmem").collective and not transports.get("hip").collective
     assert transports.resolve("auto", "cpu") == "shm"
     assert transports.resolve("auto", "cuda") == "cuda"
     assert transports.resolve("auto", "cuda", spans_nodes=True) == "nvshmem"
     assert transports.resolve("nvshmem", "cuda") == "nvshmem"
-    with pytest.raises(ValueError, match="unknown transport 'bogus'.*auto, shm, cuda, nvshmem, hip"):
+    with pytest.raises(ValueError, match="unknown transport 'bogus'.*auto, shm, cuda, nvshmem, hip, rocshmem"):
         transports.get("bogus")
     with pytest.raises(ValueError, match="no symmetric-heap transport for meta tensors"):
         transports.resolve("auto", "meta")

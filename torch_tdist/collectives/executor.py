@@ -383,9 +383,10 @@ class Executor(LaunchPlans):
             raise ValueError(f"tdist {op}: output must hold {world} x {input.numel()} elements of "
                              f"{input.dtype}; got {output.numel()} of {output.dtype}")
         self._begin(op, input)
-        if self._heap.device.type == "cuda" and self._heap.transport != "nvshmem":
-            raise ValueError(f"tdist {op}: its puts between nodes are NVSHMEM calls; create the "
-                             f"group with TDIST_TRANSPORT=nvshmem (this one uses {self._heap.transport})")
+        if self._heap.device.type == "cuda" and self._heap.transport not in ("nvshmem", "rocshmem"):
+            raise ValueError(f"tdist {op}: its puts between nodes are NVSHMEM (ROCSHMEM) calls; create "
+                             f"the group with TDIST_TRANSPORT=nvshmem (rocshmem on AMD GPUs; this one "
+                             f"uses {self._heap.transport})")
         src = flat(input)
         n = src.numel()
         gathered = self._ctx.stage(src.dtype, world * n, op)[:world * n]

@@ -87,9 +87,7 @@ def _refuse_other_build(name: str):
     if build is None or build == gpu_build():
         return
     if build == "rocm":
-        from .hip_device import rocm_build_missing
-
-        raise rocm_build_missing(name)
+        get(name).check_available("cuda")  # (it raises, saying what it needs)
     raise _cannot_serve(name, "cuda", _serving("cuda"), f" of a ROCm build of PyTorch (torch.version.hip "
                         f"{torch.version.hip})")
 
