@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 
 from . import language, transports
+from .transports import wait_for_peers
 # (what callers of the heap have used from here: the segment names left in /dev/shm, the class)
 from .transports.shm import ShmSegment as _ShmSegment, shm_segment_names  # noqa: F401
 
@@ -27,7 +28,7 @@ DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group
 
 def _spans_nodes(store, key: str, rank: int, world_size: int, timeout: timedelta) -> bool:
     store.set(f"{key}/host/{rank}", socket.gethostname())
-    store.wait([f"{key}/host/{peer}" for peer in range(world_size)], timeout)  # (the group's timeout)
+    wait_for_peers(store, f"{key}/host", world_size, timeout, "join the group's symmetric heap")
     return len({store.get(f"{key}/host/{peer}") for peer in range(world_size)}) > 1
 
 
@@ -101,12 +102,12 @@ class SymmetricHeap:
         own = transport.create(self.nbytes, self.device)
         try:
             store.set(f"{key}/handle/{self.rank}", own.handle)
-            store.wait([f"{key}/handle/{peer}" for peer in range(self.world_size)], timeout)
+            wait_for_peers(store, f"{key}/handle", self.world_size, timeout, "create a heap segment")
             handles = [store.get(f"{key}/handle/{peer}") for peer in range(self.world_size)]
             segments = [own if peer == self.rank else transport.open(handle, self.nbytes, self.device)
                         for peer, handle in enumerate(handles)]
             store.set(f"{key}/mapped/{self.rank}", "1")
-            store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)], timeout)
+            wait_for_peers(store, f"{key}/mapped", self.world_size, timeout, "map the peers' heap segments")
             for handle in handles:  # every peer mapped them: the first rank here removes the names
                 transport.forget(handle)
         except BaseException:

@@ -11,9 +11,10 @@ import importlib
 
 import torch
 
-from .base import Segment, StreamOps, Transport, TransportUnavailable
+from .base import PeersMissing, Segment, StreamOps, Transport, TransportUnavailable, wait_for_peers
 
-__all__ = ["Segment", "StreamOps", "Transport", "TransportUnavailable", "names", "get", "resolve",
+__all__ = ["PeersMissing", "Segment", "StreamOps", "Transport", "TransportUnavailable", "wait_for_peers",
+           "names", "get", "resolve",
            "check_available", "stream_ops"]
 
 # name -> "module:class"; modules are imported when their transport is first asked for
