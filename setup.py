@@ -18,9 +18,18 @@ host-page mapping, stream calls) and NVSHMEM's host library and device bitcode
 Two extras rather than an environment marker: no marker can see which CUDA a
 torch wheel was built for, and the NVSHMEM wheel is named after it (-cu13 or
 -cu12). The bounds accept the versions torch pins (NVSHMEM 3.x, whose host
-library tdist loads as libnvshmem_host.so.3). CPU machines need neither: a group
-whose transport lacks its package raises at init_process_group / new_group,
-naming the extra to install.
+library tdist loads as libnvshmem_host.so.3).
+
+On AMD GPUs, with a ROCm build of PyTorch, the ``rocm`` extra brings hip-python
+(``from hip import hip``: HIP IPC, host-page mapping and stream calls of the
+``hip`` transport). hip-python's versions follow ROCm's (6.2 onwards on PyPI);
+where pip's choice does not match your ROCm, install the one that does
+(pip install "hip-python~=6.4.0" for ROCm 6.4):
+
+    pip install --no-build-isolation -e ".[rocm]"
+
+CPU machines need none of these: a group whose transport lacks its package
+raises at init_process_group / new_group, naming the extra to install.
 """
 
 import glob
@@ -98,6 +107,8 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "cuda": ["cuda-python>=13,<14", _NVSHMEM.format("cu13")],
         "cuda12": ["cuda-python>=12.6.2,<13", _NVSHMEM.format("cu12")],
+        # hip-python starts at ROCm 6.2 on PyPI; its 10.0 is a stub that names other packages
+        "rocm": ["hip-python>=6.2,<8"],
     },
     zip_safe=False,
 )

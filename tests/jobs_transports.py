@@ -106,3 +106,52 @@ def all_reduce_on_a_new_group(rank, ws, seed):
     dist.all_reduce(x, group=group)
     dist.destroy_process_group(group)
     return torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5)
+
+
+def hip_handles_through_the_store(rank, ws, seed, nbytes):
+    """Each rank packs a hip transport handle around its own random 64 bytes (HIP's IPC handle
+    is opaque to tdist: no GPU made these), passes it through the store, and unpacks every
+    peer's as the heap's ``open`` does before any HIP call. It also hands the hip transport's
+    ``open`` real handles it must refuse before calling HIP: the next rank's shm segment handle
+    and a hip handle of a larger heap. Returns the unpacked bytes in rank order and the errors."""
+    from torch_tdist import transports
+    from torch_tdist.transports import hip_ipc
+
+    store = dist.PrefixStore(f"hip-handles-test/{seed}/{nbytes}", dist.distributed_c10d._get_default_store())
+    ipc = bytes(torch.randint(0, 256, (hip_ipc.IPC_HANDLE_BYTES,), dtype=torch.uint8,
+                              generator=rank_gen(seed, rank)).tolist())
+    shm_segment = transports.get("shm").create(nbytes, torch.device("cpu"))
+    store.set(f"handle/{rank}", hip_ipc.pack_handle(ipc, nbytes))
+    store.set(f"larger/{rank}", hip_ipc.pack_handle(ipc, 2 * nbytes))
+    store.set(f"shm/{rank}", shm_segment.handle)
+    store.wait([f"{kind}/{peer}" for kind in ("handle", "larger", "shm") for peer in range(ws)], TIMEOUT)
+    unpacked = [hip_ipc.unpack_handle(store.get(f"handle/{peer}"), nbytes) for peer in range(ws)]
+    hip, gpu, right = transports.get("hip"), torch.device("cuda", 0), (rank + 1) % ws
+    refused = {}
+    for kind in ("larger", "shm"):
+        try:
+            hip.open(store.get(f"{kind}/{right}"), nbytes, gpu)
+        except ValueError as err:
+            refused[kind] = str(err)
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{peer}" for peer in range(ws)], TIMEOUT)
+    transports.get("shm").forget(shm_segment.handle)
+    shm_segment.close()
+    return {"unpacked": unpacked, "refused": refused}
+
+
+def gpu_hosts_with_builds(rank, ws, seed, rocm_ranks):
+    """The exchange of builds and hosts (``heap.gpu_hosts``: at group creation and at each GPU heap)
+    through the group's store,
+    with torch reporting a ROCm build on ``rocm_ranks`` (``torch.version.hip`` set there: the
+    exchange reads nothing else of the build)."""
+    from torch_tdist import heap
+
+    store = dist.PrefixStore(f"gpu-hosts-test/{seed}/{rocm_ranks}", dist.distributed_c10d._get_default_store())
+    real = torch.version.hip, torch.version.cuda
+    if rank in rocm_ranks:
+        torch.version.hip, torch.version.cuda = "6.4.43482", None
+    try:
+        return heap.gpu_hosts(store, "heap", rank, ws, TIMEOUT)
+    finally:
+        torch.version.hip, torch.version.cuda = real

@@ -139,14 +139,14 @@ def test_the_gpu_heap_rendezvous_waits_for_missing_ranks_no_longer_than_the_grou
     comes makes the others raise at the group's timeout, not the store's (30 min by default)."""
     import torch.distributed as dist
 
-    from torch_tdist.heap import _spans_nodes
+    from torch_tdist.heap import gpu_hosts
     from torch_tdist.transports import PeersMissing
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=60))
     start = time.monotonic()
     with pytest.raises(PeersMissing, match=r"rank\(s\) 1 did not arrive"):
-        _spans_nodes(store, "heap", 0, 2, timedelta(seconds=TIMEOUT_S))
+        gpu_hosts(store, "heap", 0, 2, timedelta(seconds=TIMEOUT_S))
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 

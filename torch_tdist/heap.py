@@ -5,9 +5,9 @@ every rank. Each rank maps every peer's heap; ``bases[p]`` is where peer ``p``'s
 this process, and kernels translate pointers through it (see ``torch_tdist.language``).
 
 The memory comes from a transport (``torch_tdist.transports``): ``shm`` (CPU: POSIX shared
-memory, one segment per rank), ``cuda`` (device memory shared through CUDA IPC within a node)
-or ``nvshmem`` (one ``nvshmem_malloc`` of NVSHMEM). This module lays the heap out and, for
-transports that hand out handles, exchanges them through the group's store.
+memory, one segment per rank), ``cuda`` or ``hip`` (device memory shared through CUDA or HIP IPC
+within a node) or ``nvshmem`` (one ``nvshmem_malloc`` of NVSHMEM). This module lays the heap out
+and, for transports that hand out handles, exchanges them through the group's store.
 """
 
 import ctypes
@@ -26,10 +26,21 @@ from .transports.shm import ShmSegment as _ShmSegment, shm_segment_names  # noqa
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group
 
-def _spans_nodes(store, key: str, rank: int, world_size: int, timeout: timedelta) -> bool:
-    store.set(f"{key}/host/{rank}", socket.gethostname())
+def gpu_hosts(store, key: str, rank: int, world_size: int, timeout: timedelta) -> list[str]:
+    """Every rank's host, once every rank is known to run the same build of PyTorch: the ranks
+    publish theirs, and a group mixing ROCm (AMD) and CUDA (NVIDIA) GPUs, which no transport
+    serves, raises naming the ranks of each."""
+    store.set(f"{key}/host/{rank}", f"{transports.gpu_build()}:{socket.gethostname()}")
     wait_for_peers(store, f"{key}/host", world_size, timeout, "join the group's symmetric heap")
-    return len({store.get(f"{key}/host/{peer}") for peer in range(world_size)}) > 1
+    builds, hosts = zip(*(store.get(f"{key}/host/{peer}").decode().split(":", 1)
+                          for peer in range(world_size)))
+    if len(set(builds)) > 1:
+        ranks = {build: [peer for peer in range(world_size) if builds[peer] == build] for build in builds}
+        raise ValueError("tdist: a group's GPUs must be all AMD or all NVIDIA, and "
+                         + " and ".join(f"ranks {ranks[b]} run a {'ROCm' if b == 'rocm' else 'CUDA'} "
+                                        f"build of PyTorch" for b in sorted(ranks))
+                         + "; make one group of each")
+    return list(hosts)
 
 
 class SymmetricHeap:
@@ -51,8 +62,8 @@ class SymmetricHeap:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        spans_nodes = transport == "auto" and self.device.type == "cuda" and _spans_nodes(
-            store, key, rank, world_size, timeout)
+        hosts = gpu_hosts(store, key, rank, world_size, timeout) if self.device.type == "cuda" else []
+        spans_nodes = transport == "auto" and len(set(hosts)) > 1
         self.transport = transports.resolve(transport, self.device.type, spans_nodes)
         self._transport = transports.get(self.transport)
         if self._transport.collective:

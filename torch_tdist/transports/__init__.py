@@ -1,8 +1,11 @@
 """Symmetric-heap transports behind one interface (``base.Transport``), found by name.
 
 ``TDIST_TRANSPORT`` (or the backend option ``transport``) names one of :func:`names`, or
-``auto``: ``shm`` for CPU tensors; for CUDA tensors ``cuda``, or ``nvshmem`` when the group's
-ranks are on several hosts. A new transport is a module here and one line in ``_REGISTRY``.
+``auto``: ``shm`` for CPU tensors; for GPU tensors ``cuda`` (CUDA IPC), or ``nvshmem`` when the
+group's ranks are on several hosts; on a ROCm build of PyTorch (``torch.version.hip``), whose GPU
+tensors are ``cuda`` tensors too, ``hip`` (HIP IPC). A GPU transport serves one build of PyTorch
+(``_GPU_TRANSPORTS``) and refuses the other. A new transport is a module here and one line in
+``_REGISTRY``.
 """
 
 from __future__ import annotations
@@ -14,15 +17,18 @@ import torch
 from .base import PeersMissing, Segment, StreamOps, Transport, TransportUnavailable, wait_for_peers
 
 __all__ = ["PeersMissing", "Segment", "StreamOps", "Transport", "TransportUnavailable", "wait_for_peers",
-           "names", "get", "resolve",
-           "check_available", "stream_ops"]
+           "names", "get", "resolve", "check_available", "stream_ops", "gpu_build"]
 
 # name -> "module:class"; modules are imported when their transport is first asked for
 _REGISTRY = {
     "shm": "shm:ShmTransport",
     "cuda": "cuda_ipc:CudaIpcTransport",
     "nvshmem": "nvshmem:NvshmemTransport",
+    "hip": "hip_ipc:HipIpcTransport",
 }
+# The GPU transports of each build of PyTorch: (within one host, across hosts). A transport
+# named here serves that build's GPUs only; one named nowhere serves any build.
+_GPU_TRANSPORTS = {"cuda": ("cuda", "nvshmem"), "rocm": ("hip", "rocshmem")}
 _LOADED: dict[str, Transport] = {}
 
 
@@ -42,21 +48,49 @@ def get(name: str) -> Transport:
     return _LOADED[name]
 
 
+def gpu_build() -> str:
+    """The build of PyTorch here, as its GPU transports know it: ``rocm`` (``torch.version.hip``
+    set) or ``cuda`` (CUDA and CPU-only builds)."""
+    return "rocm" if torch.version.hip else "cuda"
+
+
+def _build_of(name: str) -> str | None:
+    return next((build for build, gpu in _GPU_TRANSPORTS.items() if name in gpu), None)
+
+
 def _serving(device_type: str) -> list[str]:
-    return [name for name in _REGISTRY if device_type in get(name).device_types]
+    return [name for name in _REGISTRY if device_type in get(name).device_types
+            and _build_of(name) in (None, gpu_build())]
 
 
 def resolve(name: str, device_type: str, spans_nodes: bool = False) -> str:
     """The transport that serves tensors of ``device_type`` (``name`` as the user chose it;
-    ``auto`` picks NVSHMEM for a CUDA group whose ranks are on several hosts)."""
+    ``auto`` picks the build's across-hosts transport, NVSHMEM on CUDA, for a GPU group whose
+    ranks are on several hosts)."""
     wanted = _serving(device_type)
     if not wanted:
         raise ValueError(f"tdist: no symmetric-heap transport for {device_type} tensors")
     if name == "auto":
-        return "nvshmem" if device_type == "cuda" and spans_nodes else wanted[0]
+        return _GPU_TRANSPORTS[gpu_build()][1] if device_type == "cuda" and spans_nodes else wanted[0]
     if name not in wanted:
+        _refuse_other_build(name)
         raise _cannot_serve(name, device_type, wanted)
     return name
+
+
+def _refuse_other_build(name: str):
+    """Raise when ``name`` is a GPU transport of the other build of PyTorch: a ROCm one on a
+    CUDA or CPU-only torch is unavailable (it names the build to install), a CUDA one on a ROCm
+    torch cannot serve its GPUs."""
+    build = _build_of(name)
+    if build is None or build == gpu_build():
+        return
+    if build == "rocm":
+        from .hip_device import rocm_build_missing
+
+        raise rocm_build_missing(name)
+    raise _cannot_serve(name, "cuda", _serving("cuda"), f" of a ROCm build of PyTorch (torch.version.hip "
+                        f"{torch.version.hip})")
 
 
 def _cannot_serve(name: str, device_type: str, wanted: list[str], why: str = "") -> ValueError:
@@ -64,19 +98,21 @@ def _cannot_serve(name: str, device_type: str, wanted: list[str], why: str = "")
                       f"use {' or '.join(wanted)} (TDIST_TRANSPORT)")
 
 
-def check_available(name: str, device_type: str, heap_bytes: int | None = None):
+def check_available(name: str, device_type: str, heap_bytes: int | None = None, spans_nodes: bool = False):
     """Raise now if transport ``name`` (or ``auto``) cannot start for ``device_type`` tensors
     with a heap of ``heap_bytes`` per rank (None: the default): ValueError for a transport that
     does not serve the device, :class:`TransportUnavailable` for a missing package, device or
-    room, each naming the transport, the reason and the fix. Allocates nothing.
-    (``auto`` is checked as the transport it picks on one host; one that spans hosts and so
-    picks ``nvshmem`` learns that at the heap's creation.)"""
+    room, each naming the transport, the reason and the fix. Allocates nothing. ``auto`` is
+    checked as the transport it picks for a group on several hosts (``spans_nodes``) or on one.
+    A GPU transport of the other build of PyTorch than this one is refused, naming the build it
+    needs."""
     wanted = _serving(device_type)
-    if name != "auto" and get(name).name not in wanted and device_type == "cpu" \
-            and not torch.cuda.is_available():
-        raise _cannot_serve(name, device_type, wanted,
-                            " (torch sees no CUDA device here, so tdist's groups serve CPU tensors)")
-    get(resolve(name, device_type)).check_available(device_type, heap_bytes)
+    if name != "auto" and get(name).name not in wanted:
+        _refuse_other_build(name)
+        if device_type == "cpu" and not torch.cuda.is_available():
+            raise _cannot_serve(name, device_type, wanted,
+                                " (torch sees no CUDA device here, so tdist's groups serve CPU tensors)")
+    get(resolve(name, device_type, spans_nodes)).check_available(device_type, heap_bytes)
 
 
 def stream_ops(device_type: str) -> StreamOps | None:
