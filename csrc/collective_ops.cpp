@@ -20,24 +20,6 @@ using c10d::ReduceOp;
 
 namespace {
 
-// The strings the executor receives.
-const char* executorOpName(ReduceOp::RedOpType op) {
-  switch (op) {
-    case ReduceOp::SUM:
-      return "sum";
-    case ReduceOp::AVG:
-      return "avg";
-    case ReduceOp::MAX:
-      return "max";
-    case ReduceOp::MIN:
-      return "min";
-    case ReduceOp::PRODUCT:
-      return "product";
-    default:
-      TORCH_INTERNAL_ASSERT(false, "tdist: reduce op not served");
-  }
-}
-
 std::vector<at::Tensor> column(
     const std::vector<std::vector<at::Tensor>>& lists,
     size_t j) {
@@ -67,10 +49,15 @@ WorkPtr ProcessGroupTDist::_allgather_base(
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
   constexpr Op op = Op::AllGatherIntoTensor;
-  checkDevice(op, input, "input");
-  checkAllGatherPair(op, output, input, size_);
-  if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
-      Route::Fallback) {
+  bool fallback = !(strided(input) && strided(output));
+  if (!fallback) {
+    checkOrReject(op, input, -1, [&] {
+      checkDevice(op, input, "input");
+      checkAllGatherPair(op, output, input, size_);
+    });
+    fallback = limitBySize(op, routeMovement(input), input) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::_ALLGATHER_BASE, {input}, {output}, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -95,13 +82,13 @@ WorkPtr ProcessGroupTDist::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   constexpr Op op = Op::AllGatherIntoTensor;
   checkSameLength(op, outputs, inputs);
-  Route route = Route::Tdist;
-  for (size_t i = 0; i < inputs.size(); ++i) {
+  bool layoutsServed = strided(inputs) && strided(outputs);
+  Route route = layoutsServed ? Route::Tdist : Route::Fallback;
+  for (size_t i = 0; layoutsServed && i < inputs.size(); ++i) {
     checkDevice(op, inputs[i], "input");
     checkSameDevice(op, inputs[0], "input 0", inputs[i], "input");
     checkAllGatherPair(op, outputs[i], inputs[i], size_);
-    if (limitBySize(op, routeMovement(inputs[i]), inputs[i], inputs[i].nbytes()) ==
-        Route::Fallback) {
+    if (limitBySize(op, routeMovement(inputs[i]), inputs[i]) == Route::Fallback) {
       route = Route::Fallback;
     }
   }
@@ -131,11 +118,16 @@ WorkPtr ProcessGroupTDist::allgather(
       "expected one output list, got ",
       outputs.size());
   const auto& input = inputs[0];
-  checkDevice(op, input, "input");
-  checkGroupSize(op, outputs[0].size(), "tensor_list");
-  checkListLike(op, outputs[0], "tensor_list", input, "input");
-  if (limitBySize(op, routeMovement(input), input, input.nbytes()) ==
-      Route::Fallback) {
+  bool fallback = !strided(inputs) || !strided(outputs[0]);
+  if (!fallback) {
+    checkOrReject(op, input, -1, [&] {
+      checkDevice(op, input, "input");
+      checkGroupSize(op, outputs[0].size(), "tensor_list");
+      checkListLike(op, outputs[0], "tensor_list", input, "input");
+    });
+    fallback = limitBySize(op, routeMovement(input), input) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::ALLGATHER, inputs, outputs[0], opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -154,14 +146,15 @@ WorkPtr ProcessGroupTDist::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   constexpr Op op = Op::AllGather;
   checkGroupSize(op, outputLists.size(), "output_tensor_lists");
-  Route route = Route::Tdist;
-  for (size_t j = 0; j < inputs.size(); ++j) {
+  bool layoutsServed = strided(inputs) && strided(flatten(outputLists));
+  Route route = layoutsServed ? Route::Tdist : Route::Fallback;
+  for (size_t j = 0; layoutsServed && j < inputs.size(); ++j) {
     checkDevice(op, inputs[j], "input");
     if (routeMovement(inputs[j]) == Route::Fallback) {
       route = Route::Fallback;
     }
   }
-  for (size_t r = 0; r < outputLists.size(); ++r) {
+  for (size_t r = 0; layoutsServed && r < outputLists.size(); ++r) {
     TORCH_CHECK_VALUE(
         outputLists[r].size() == inputs.size(),
         prefix(op),
@@ -211,13 +204,16 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   constexpr Op op = Op::ReduceScatterTensor;
-  checkDevice(op, input, "input");
-  checkReduceScatterPair(op, output, input, size_);
-  if (limitBySize(
-          op,
-          routeReduction(op, input, opts.reduceOp),
-          input,
-          input.nbytes()) == Route::Fallback) {
+  bool fallback = !(strided(input) && strided(output));
+  if (!fallback) {
+    checkOrReject(op, output, -1, [&] {
+      checkDevice(op, input, "input");
+      checkReduceScatterPair(op, output, input, size_);
+    }, &opts.reduceOp);
+    fallback = limitBySize(op, routeReduction(op, input, opts.reduceOp), input) ==
+        Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::_REDUCE_SCATTER_BASE, {input}, {output}, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -243,8 +239,9 @@ WorkPtr ProcessGroupTDist::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   constexpr Op op = Op::ReduceScatterTensor;
   checkSameLength(op, outputs, inputs);
-  Route route = Route::Tdist;
-  for (size_t i = 0; i < inputs.size(); ++i) {
+  bool layoutsServed = strided(inputs) && strided(outputs);
+  Route route = layoutsServed ? Route::Tdist : Route::Fallback;
+  for (size_t i = 0; layoutsServed && i < inputs.size(); ++i) {
     checkDevice(op, inputs[i], "input");
     checkSameDevice(op, inputs[0], "input 0", inputs[i], "input");
     checkReduceScatterPair(op, outputs[i], inputs[i], size_);
@@ -283,10 +280,16 @@ WorkPtr ProcessGroupTDist::reduce_scatter(
       "expected one input list, got ",
       inputs.size());
   const auto& output = outputs[0];
-  checkDevice(op, output, "output");
-  checkGroupSize(op, inputs[0].size(), "input_list");
-  checkListLike(op, inputs[0], "input_list", output, "output");
-  if (routeReduction(op, output, opts.reduceOp) == Route::Fallback) {
+  bool fallback = !strided(outputs) || !strided(inputs[0]);
+  if (!fallback) {
+    checkOrReject(op, output, -1, [&] {
+      checkDevice(op, output, "output");
+      checkGroupSize(op, inputs[0].size(), "input_list");
+      checkListLike(op, inputs[0], "input_list", output, "output");
+    }, &opts.reduceOp);
+    fallback = routeReduction(op, output, opts.reduceOp) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::REDUCE_SCATTER, inputs[0], outputs, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -311,9 +314,12 @@ WorkPtr ProcessGroupTDist::allreduce(
   constexpr Op op = Op::AllReduce;
   checkSingle(op, tensors, "input");
   const auto& t = tensors[0];
-  checkDevice(op, t, "tensor");
-  if (limitBySize(op, routeReduction(op, t, opts.reduceOp), t, t.nbytes()) ==
-      Route::Fallback) {
+  bool fallback = !strided(tensors);
+  if (!fallback) {
+    checkOrReject(op, t, -1, [&] { checkDevice(op, t, "tensor"); }, &opts.reduceOp);
+    fallback = limitBySize(op, routeReduction(op, t, opts.reduceOp), t) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::ALLREDUCE, tensors, tensors, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -336,8 +342,10 @@ WorkPtr ProcessGroupTDist::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   constexpr Op op = Op::AllReduce;
-  Route route = Route::Tdist;
-  for (const auto& t : tensors) {
+  bool layoutsServed = strided(tensors);
+  Route route = layoutsServed ? Route::Tdist : Route::Fallback;
+  for (size_t i = 0; layoutsServed && i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
     checkDevice(op, t, "tensor");
     checkSameDevice(op, tensors[0], "tensor 0", t, "tensor");
     if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
@@ -367,44 +375,46 @@ WorkPtr ProcessGroupTDist::alltoall_base(
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
   constexpr Op op = Op::AllToAllSingle;
-  checkDevice(op, input, "input");
-  checkLike(op, input, "input", output, "output");
-  TORCH_CHECK_VALUE(
-      input.dim() >= 1 && output.dim() >= 1,
-      prefix(op),
-      "input and output need at least one dimension");
-  TORCH_CHECK_VALUE(
-      rowNumel(input) == rowNumel(output),
-      prefix(op),
-      "input rows have ",
-      rowNumel(input),
-      " elements but output rows have ",
-      rowNumel(output),
-      "; they must match (input shape ",
-      input.sizes(),
-      ", output shape ",
-      output.sizes(),
-      ")");
-  TORCH_CHECK_VALUE(
-      !inputSplitSizes.empty() || !outputSplitSizes.empty() ||
-          input.numel() == output.numel(),
-      prefix(op),
-      "without split sizes, input and output must hold the same number of elements (input shape ",
-      input.sizes(),
-      ", output shape ",
-      output.sizes(),
-      ")");
-  auto inSplits = resolveSplits(
-      op, inputSplitSizes, input, "input", "input_split_sizes", size_);
-  auto outSplits = resolveSplits(
-      op, outputSplitSizes, output, "output", "output_split_sizes", size_);
-  if (limitBySize(
-          op,
-          routeMovement(input),
-          input,
-          input.nbytes(),
-          inputSplitSizes.empty() && outputSplitSizes.empty()) ==
-      Route::Fallback) {
+  bool even = inputSplitSizes.empty() && outputSplitSizes.empty();
+  bool fallback = !(strided(input) && strided(output));
+  std::vector<int64_t> inSplits, outSplits;
+  if (!fallback) {
+    // (with split sizes no tensor sizes the call as every rank sees it)
+    checkOrReject(op, even ? input : at::Tensor(), -1, [&] {
+      checkDevice(op, input, "input");
+      checkLike(op, input, "input", output, "output");
+      TORCH_CHECK_VALUE(
+          input.dim() >= 1 && output.dim() >= 1,
+          prefix(op),
+          "input and output need at least one dimension");
+      TORCH_CHECK_VALUE(
+          rowNumel(input) == rowNumel(output),
+          prefix(op),
+          "input rows have ",
+          rowNumel(input),
+          " elements but output rows have ",
+          rowNumel(output),
+          "; they must match (input shape ",
+          input.sizes(),
+          ", output shape ",
+          output.sizes(),
+          ")");
+      TORCH_CHECK_VALUE(
+          !even || input.numel() == output.numel(),
+          prefix(op),
+          "without split sizes, input and output must hold the same number of elements (input "
+          "shape ",
+          input.sizes(),
+          ", output shape ",
+          output.sizes(),
+          ")");
+      inSplits = resolveSplits(op, inputSplitSizes, input, "input", "input_split_sizes", size_);
+      outSplits =
+          resolveSplits(op, outputSplitSizes, output, "output", "output_split_sizes", size_);
+    });
+    fallback = limitBySize(op, routeMovement(input), input, even) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::ALLTOALL_BASE, {input}, {output}, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -412,7 +422,7 @@ WorkPtr ProcessGroupTDist::alltoall_base(
         });
   }
   auto work = startWork(op, OpType::ALLTOALL_BASE, {input}, {output}, opts.asyncOp);
-  if (inputSplitSizes.empty() && outputSplitSizes.empty()) {
+  if (even) {
     // even splits: the shapes alone determine the call, the same on every rank (passed on as
     // no split sizes, so the executor may choose its kernel and grid by size)
     executePlanned(
@@ -446,14 +456,17 @@ WorkPtr ProcessGroupTDist::alltoall(
   checkGroupSize(op, inputs.size(), "input_tensor_list");
   checkGroupSize(op, outputs.size(), "output_tensor_list");
   const auto& ref = inputs[0];
-  checkDevice(op, ref, "input");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto index = static_cast<int64_t>(i);
-    checkLike(op, ref, "input_tensor_list[0]", inputs[i], Name("input_tensor_list", index));
-    checkLike(op, ref, "input_tensor_list[0]", outputs[i], Name("output_tensor_list", index));
+  bool fallback = !strided(inputs) || !strided(outputs);
+  if (!fallback) {
+    checkDevice(op, ref, "input");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      auto index = static_cast<int64_t>(i);
+      checkLike(op, ref, "input_tensor_list[0]", inputs[i], Name("input_tensor_list", index));
+      checkLike(op, ref, "input_tensor_list[0]", outputs[i], Name("output_tensor_list", index));
+    }
+    fallback = limitBySize(op, routeMovement(ref), ref, false) == Route::Fallback;
   }
-  if (limitBySize(op, routeMovement(ref), ref, ref.nbytes(), false) ==
-      Route::Fallback) {
+  if (fallback) {
     return handOver(
         op, OpType::ALLTOALL, inputs, outputs, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -473,11 +486,16 @@ WorkPtr ProcessGroupTDist::broadcast(
   constexpr Op op = Op::Broadcast;
   checkSingle(op, tensors, "input");
   const auto& t = tensors[0];
-  checkDevice(op, t, "tensor");
-  checkRoot(op, opts.rootRank, "src");
-  TORCH_CHECK_VALUE(
-      opts.rootTensor == 0, prefix(op), "root tensor must be 0");
-  if (limitBySize(op, routeMovement(t), t, t.nbytes()) == Route::Fallback) {
+  bool fallback = !strided(tensors);
+  if (!fallback) {
+    checkOrReject(op, t, opts.rootRank, [&] {
+      checkDevice(op, t, "tensor");
+      checkRoot(op, opts.rootRank, "src");
+      TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
+    });
+    fallback = limitBySize(op, routeMovement(t), t) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::BROADCAST, tensors, tensors, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
@@ -520,13 +538,20 @@ WorkPtr ProcessGroupTDist::scatter(
   constexpr Op op = Op::Scatter;
   checkSingle(op, outputs, "output");
   const auto& output = outputs[0];
-  checkDevice(op, output, "output");
-  checkRoot(op, opts.rootRank, "src");
-  auto scatterList =
-      rootList(op, inputs, opts.rootRank, "src", "scatter_list", output, "output");
-  if (routeMovement(output) == Route::Fallback) {
+  bool fallback = !strided(outputs) || !strided(flatten(inputs));
+  std::vector<at::Tensor> scatterList;
+  if (!fallback) {
+    checkOrReject(op, output, opts.rootRank, [&] {
+      checkDevice(op, output, "output");
+      checkRoot(op, opts.rootRank, "src");
+      scatterList =
+          rootList(op, inputs, opts.rootRank, "src", "scatter_list", output, "output");
+    });
+    fallback = routeMovement(output) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
-        op, OpType::SCATTER, scatterList, outputs, opts, 1,
+        op, OpType::SCATTER, flatten(inputs), outputs, opts, 1,
         [&](c10d::Backend& b, const auto& o) {
           return b.scatter(outputs, inputs, o);
         });
@@ -543,13 +568,19 @@ WorkPtr ProcessGroupTDist::gather(
   constexpr Op op = Op::Gather;
   checkSingle(op, inputs, "input");
   const auto& input = inputs[0];
-  checkDevice(op, input, "input");
-  checkRoot(op, opts.rootRank, "dst");
-  auto gatherList =
-      rootList(op, outputs, opts.rootRank, "dst", "gather_list", input, "input");
-  if (routeMovement(input) == Route::Fallback) {
+  bool fallback = !strided(inputs) || !strided(flatten(outputs));
+  std::vector<at::Tensor> gatherList;
+  if (!fallback) {
+    checkOrReject(op, input, opts.rootRank, [&] {
+      checkDevice(op, input, "input");
+      checkRoot(op, opts.rootRank, "dst");
+      gatherList = rootList(op, outputs, opts.rootRank, "dst", "gather_list", input, "input");
+    });
+    fallback = routeMovement(input) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
-        op, OpType::GATHER, inputs, gatherList, opts, 1,
+        op, OpType::GATHER, inputs, flatten(outputs), opts, 1,
         [&](c10d::Backend& b, const auto& o) {
           return b.gather(outputs, inputs, o);
         });
@@ -565,11 +596,16 @@ WorkPtr ProcessGroupTDist::reduce(
   constexpr Op op = Op::Reduce;
   checkSingle(op, tensors, "input");
   const auto& t = tensors[0];
-  checkDevice(op, t, "tensor");
-  checkRoot(op, opts.rootRank, "dst");
-  TORCH_CHECK_VALUE(
-      opts.rootTensor == 0, prefix(op), "root tensor must be 0");
-  if (routeReduction(op, t, opts.reduceOp) == Route::Fallback) {
+  bool fallback = !strided(tensors);
+  if (!fallback) {
+    checkOrReject(op, t, opts.rootRank, [&] {
+      checkDevice(op, t, "tensor");
+      checkRoot(op, opts.rootRank, "dst");
+      TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
+    }, &opts.reduceOp);
+    fallback = routeReduction(op, t, opts.reduceOp) == Route::Fallback;
+  }
+  if (fallback) {
     return handOver(
         op, OpType::REDUCE, tensors, tensors, opts, 1,
         [&](c10d::Backend& b, const auto& o) {

@@ -21,8 +21,8 @@ using c10d::Work;
 using WorkPtr = c10::intrusive_ptr<Work>;
 
 // Called with the GIL held. ValueError/TypeError/NotImplementedError keep
-// their Python type; anything else becomes a DistBackendError that carries
-// the Python traceback.
+// their Python type; a TimeoutError becomes a DistBackendError with its message;
+// anything else becomes a DistBackendError that carries the Python traceback.
 [[noreturn]] void throwPythonError(Op op, py::error_already_set& e);
 
 template <typename... Args>
@@ -65,6 +65,24 @@ void ProcessGroupTDist::executePlanned(
   if (plan) {
     std::lock_guard<std::mutex> lock(plansMutex_);
     plans_.emplace(key, std::move(*plan));
+  }
+}
+
+template <typename Checks>
+void ProcessGroupTDist::checkOrReject(
+    Op op,
+    const at::Tensor& call,
+    int64_t root,
+    const Checks& checks,
+    const c10d::ReduceOp* rop) {
+  try {
+    checks();
+  } catch (const c10::ValueError& e) {
+    rejectCall(op, call, root, rop, e.what_without_backtrace());
+    throw;
+  } catch (const c10::TypeError& e) {
+    rejectCall(op, call, root, rop, e.what_without_backtrace());
+    throw;
   }
 }
 

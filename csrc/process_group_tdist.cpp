@@ -133,6 +133,23 @@ bool pythonIsFinalizing() {
 
 } // namespace
 
+const char* executorOpName(ReduceOp::RedOpType op) {
+  switch (op) {
+    case ReduceOp::SUM:
+      return "sum";
+    case ReduceOp::AVG:
+      return "avg";
+    case ReduceOp::MAX:
+      return "max";
+    case ReduceOp::MIN:
+      return "min";
+    case ReduceOp::PRODUCT:
+      return "product";
+    default:
+      TORCH_INTERNAL_ASSERT(false, "tdist: reduce op not served");
+  }
+}
+
 [[noreturn]] void throwPythonError(Op op, py::error_already_set& e) {
   std::string msg = py::str(e.value());
   std::string pre = prefix(op);
@@ -147,6 +164,11 @@ bool pythonIsFinalizing() {
   }
   if (e.matches(PyExc_NotImplementedError)) {
     C10_THROW_ERROR(NotImplementedError, msg);
+  }
+  if (e.matches(PyExc_TimeoutError)) {
+    // torch's backends' words ("Timed out"), which the message already says: elastic agents
+    // and users' retry code match DistBackendError and them
+    C10_THROW_ERROR(DistBackendError, msg);
   }
   std::string typeName = py::str(e.type().attr("__name__"));
   std::string trace;
@@ -296,8 +318,8 @@ std::string ProcessGroupTDist::abortOverrun(
     const char* op,
     std::chrono::milliseconds timeout) {
   std::string head = c10::str(
-      "tdist ", op, ": (rank ", rank_, " of ", size_, ", group '", getGroupUid(),
-      "') did not finish within the group's timeout (", timeout.count() / 1000.0, " s)");
+      "tdist ", op, ": Timed out after ", timeout.count() / 1000.0, " s (rank ", rank_, " of ",
+      size_, ", group '", getGroupUid(), "'): the call did not finish within the group's timeout");
   if (tearDownOnTimeout_) {
     // NCCL's default too. The call returned before its kernels ran, and the caller's later work
     // waits for them on the stream; aborting the group would let its kernels give up and that
@@ -546,11 +568,11 @@ ProcessGroupTDist::Route ProcessGroupTDist::limitBySize(
     Op op,
     Route route,
     const at::Tensor& t,
-    int64_t bytes,
     bool sameSizeOnEveryRank) const {
   if (route == Route::Fallback || t.is_cpu()) {
     return route;
   }
+  int64_t bytes = static_cast<int64_t>(t.nbytes());
   if (!sameSizeOnEveryRank) { // no size test agrees across ranks
     return gpuUnevenAllToAll_ ? route : Route::Fallback;
   }
@@ -559,6 +581,39 @@ ProcessGroupTDist::Route ProcessGroupTDist::limitBySize(
   bool between = limit >= 0 && bytes > limit &&
       (servedFrom < 0 || bytes < servedFrom);
   return between ? Route::Fallback : route;
+}
+
+bool ProcessGroupTDist::strided(const std::vector<at::Tensor>& ts) {
+  return std::all_of(
+      ts.begin(), ts.end(), [](const at::Tensor& t) { return strided(t); });
+}
+
+void ProcessGroupTDist::rejectCall(
+    Op op,
+    const at::Tensor& call,
+    int64_t root,
+    const c10d::ReduceOp* rop,
+    const char* reason) {
+  if (!call.defined() || call.layout() != at::kStrided) {
+    return;
+  }
+  try {
+    Route route = rop ? routeReduction(op, call, *rop) : routeMovement(call);
+    if (limitBySize(op, route, call) == Route::Fallback) {
+      return; // the peers' call is the fallback's: tdist has nothing to tell them
+    }
+  } catch (const c10::Error&) {
+    return; // a call no rank routes
+  }
+  py::gil_scoped_acquire gil;
+  try {
+    executor_.get().attr("reject")(
+        opName(op), call, root, rop ? executorOpName(rop->op_) : "sum", std::string(reason));
+  } catch (py::error_already_set& e) {
+    // (the group stopped, say): this rank raises its own error all the same
+    LOG(WARNING) << prefix(op) << "the peers were not told of this rank's rejected call: "
+                 << e.what();
+  }
 }
 
 void ProcessGroupTDist::setGpuSizeLimit(

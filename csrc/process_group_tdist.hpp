@@ -55,6 +55,8 @@ enum class Op : int {
 constexpr int kNumOps = static_cast<int>(Op::kCount);
 
 const char* opName(Op op);
+// A served reduce op as the executor names it ("sum", "avg", ...).
+const char* executorOpName(c10d::ReduceOp::RedOpType op);
 
 
 // Owns one Python reference and drops it under the GIL; the backend can be
@@ -263,12 +265,39 @@ class ProcessGroupTDist : public c10d::Backend {
   Route routeMovement(const at::Tensor& t) const;
   Route routeReduction(Op op, const at::Tensor& t, const c10d::ReduceOp& rop)
       const;
+  // `route`, or the fallback for a GPU call of `t`'s size that NCCL serves faster (its size is
+  // read only here, after routing: a tensor that is not strided has none).
   Route limitBySize(
       Op op,
       Route route,
       const at::Tensor& t,
-      int64_t bytes,
       bool sameSizeOnEveryRank = true) const;
+  // Whether every tensor is strided. Other layouts (sparse, ...) go to the fallback before
+  // any of tdist's checks, which read sizes and strides.
+  static bool strided(const at::Tensor& t) {
+    return t.layout() == at::kStrided;
+  }
+  static bool strided(const std::vector<at::Tensor>& ts);
+
+  // Runs `checks`. Where they reject this rank's arguments of a call that tdist would serve,
+  // the peers are told first (rejectCall), then the error is raised. `call`: this rank's
+  // tensor that sizes the call as its peers see it (undefined: none does); `root`: the call's
+  // root rank, or -1; `rop`: a reduction's op.
+  template <typename Checks>
+  void checkOrReject(
+      Op op,
+      const at::Tensor& call,
+      int64_t root,
+      const Checks& checks,
+      const c10d::ReduceOp* rop = nullptr);
+  // The executor stands in for the rejected call (Executor.reject): peers waiting for it raise
+  // at once, naming this rank and `reason`, and the group serves later calls.
+  void rejectCall(
+      Op op,
+      const at::Tensor& call,
+      int64_t root,
+      const c10d::ReduceOp* rop,
+      const char* reason);
   c10d::Backend& fallbackFor(Op op, c10::DeviceType type) const;
   c10d::Backend& fallbackForBarrier(const c10d::BarrierOptions& opts) const;
 

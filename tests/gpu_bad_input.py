@@ -1,6 +1,8 @@
 """Bad input on CUDA tensors: every case of the CPU matrix (tests/jobs_bad_input.py) with CUDA
-tensors, plus tensors on another GPU than the group's, a message larger than the heap and the
-nvshmem transport asked for where its library is missing.
+tensors, plus tensors on another GPU than the group's, a message larger than the heap, the
+nvshmem transport asked for where its library is missing, and (on a group with
+TDIST_CHECK_CALLS=1) arguments that only rank 0 can tell are wrong, which must fail the call on
+every rank.
 
     torchrun --nproc-per-node 2 -m tests.gpu_bad_input
 
@@ -106,6 +108,25 @@ def main():
         print(f"rank {rank}: {name:<32} {'ok' if not problem else 'FAILED'}", flush=True)
 
     nvshmem.host_library = real_library
+
+    # Arguments only rank 0 can tell are wrong, on a group that compares calls: every rank raises,
+    # the others naming rank 0's rejection, and the group computes right results afterwards.
+    from tests.test_bad_input import ONE_RANK
+
+    os.environ["TDIST_CHECK_CALLS"] = "1"
+    compared = dist.new_group(backend="tdist")
+    del os.environ["TDIST_CHECK_CALLS"]
+    for case in (c for c, expected in ONE_RANK.items() if expected == "rejected"):
+        checked += 1
+        outcome = J.one_rank_rejects_then_recover(rank, world, case, 1234, group=compared)
+        problem = None
+        if outcome[0] != "raised" or outcome[3] > MAX_SECONDS:
+            problem = f"{case} (one rank's): {outcome}"
+        elif rank != 0 and "rank 0 rejected its arguments" not in outcome[2]:
+            problem = f"{case} (one rank's): rank 0's rejection not named: {outcome[2]}"
+        failures += [problem] if problem else []
+        print(f"rank {rank}: {case + ' (one rank)':<32} {'ok' if not problem else 'FAILED'}", flush=True)
+
     xs = [torch.randn(1000, generator=torch.Generator(device).manual_seed(r)) for r in range(world)]
     x = xs[rank].clone()
     dist.all_reduce(x)

@@ -1,6 +1,9 @@
-"""Jobs for test_bad_input.py: every rank makes the same invalid call."""
+"""Jobs for test_bad_input.py: invalid calls (every rank's, or one rank's), calls that disagree
+across ranks, sparse tensors."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -199,3 +202,78 @@ def mismatched_call_then_recover(rank, ws, case, seed):
     dist.all_reduce(x)
     assert torch.allclose(x, sum(xs), rtol=1e-5, atol=1e-5), "the group computes wrong results after the error"
     return outcome
+
+
+# ---------------------------------------------------------------------------
+# arguments that only one rank can see are wrong (the root's lists, one rank's tensor)
+
+def _one_rank_rejects(rank, ws, case, seed, group=None):
+    """Rank 0 (the root where there is one) passes arguments that only it can tell are wrong;
+    the other ranks' arguments are right."""
+    g = torch.Generator().manual_seed(seed + rank)
+    kw = {"group": group}
+    root = 0
+    mine = rank == root
+    if case == "scatter_list_too_long":
+        dist.scatter(torch.empty(4), [torch.randn(4, generator=g) for _ in range(ws + 1)] if mine else None, src=root, **kw)
+    elif case == "scatter_list_too_short":
+        dist.scatter(torch.empty(4), [torch.randn(4, generator=g) for _ in range(ws - 1)] if mine else None, src=root, **kw)
+    elif case == "scatter_list_wrong_shape":
+        dist.scatter(torch.empty(4), [torch.randn(5, generator=g) for _ in range(ws)] if mine else None, src=root, **kw)
+    elif case == "gather_list_too_long":
+        dist.gather(torch.randn(4, generator=g), [torch.empty(4) for _ in range(ws + 1)] if mine else None, dst=root, **kw)
+    elif case == "gather_list_wrong_shape":
+        dist.gather(torch.randn(4, generator=g), [torch.empty(3) for _ in range(ws)] if mine else None, dst=root, **kw)
+    elif case == "all_gather_output_wrong_size":  # only rank 0's output is too small
+        all_gather_single(torch.empty(4 * ws - (1 if mine else 0)), torch.randn(4, generator=g), **kw)
+    elif case == "reduce_scatter_output_wrong_size":
+        reduce_scatter_single(torch.empty(5 if mine else 4), torch.randn(4 * ws, generator=g), **kw)
+    elif case == "broadcast_root_shape":
+        dist.broadcast(torch.randn(5 if mine else 4, generator=g), src=root, **kw)
+    elif case == "broadcast_root_dtype":
+        dist.broadcast(torch.randn(4, generator=g, dtype=torch.float64 if mine else torch.float32), src=root, **kw)
+    elif case == "reduce_root_shape":
+        dist.reduce(torch.randn(5 if mine else 4, generator=g), dst=root, **kw)
+    elif case == "reduce_root_dtype":
+        dist.reduce(torch.randn(4, generator=g, dtype=torch.float64 if mine else torch.float32), dst=root, **kw)
+    else:
+        raise KeyError(case)
+
+
+def one_rank_rejects_then_recover(rank, ws, case, seed, group=None):
+    """How the call ended on this rank ("returned" or "raised", type, message, seconds), after
+    checking that the group (default: the default group) still computes a right all_reduce."""
+    start = time.monotonic()
+    try:
+        _one_rank_rejects(rank, ws, case, seed, group)
+        outcome = ("returned",)
+    except Exception as err:  # noqa: BLE001  (the test inspects what was raised)
+        outcome = ("raised", type(err).__name__, str(err).splitlines()[0], time.monotonic() - start)
+    xs = [torch.randn(100, generator=torch.Generator().manual_seed(seed * 7 + r)) for r in range(ws)]
+    x = xs[rank].to(torch.get_default_device(), copy=True)
+    dist.all_reduce(x, group=group)
+    assert torch.allclose(x.cpu(), sum(xs), rtol=1e-5, atol=1e-5), "the group computes wrong results after the error"
+    return outcome
+
+
+# ---------------------------------------------------------------------------
+# tensors that are not strided (sparse) go to the fallback
+
+def _sparse(g, n=16, nnz=5):
+    index = torch.randperm(n, generator=g)[:nnz].sort().values.unsqueeze(0)
+    return torch.sparse_coo_tensor(index, torch.randn(nnz, generator=g), (n,))
+
+
+def sparse_all_reduce(rank, ws, seed):
+    """A sparse all_reduce (which Gloo serves): the dense sum of every rank's tensor, and the
+    call counted as the fallback's."""
+    import torch_tdist
+
+    tensors = [_sparse(torch.Generator().manual_seed(seed + r)) for r in range(ws)]
+    before = torch_tdist.stats()["all_reduce"]["fallback"]
+    x = tensors[rank].clone()
+    dist.all_reduce(x)
+    assert x.layout == torch.sparse_coo, x.layout
+    expected = sum(t.to_dense() for t in tensors)
+    assert torch.allclose(x.to_dense(), expected, rtol=1e-6, atol=1e-6), "the sparse sum is wrong"
+    return torch_tdist.stats()["all_reduce"]["fallback"] - before

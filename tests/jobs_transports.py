@@ -141,9 +141,9 @@ def hip_handles_through_the_store(rank, ws, seed, nbytes):
 
 
 def gpu_hosts_with_builds(rank, ws, seed, rocm_ranks):
-    """The heap's exchange of builds and hosts (``heap._gpu_hosts``) through the group's store,
-    with torch reporting a ROCm build on ``rocm_ranks`` (``torch.version.hip`` set there: the
-    exchange reads nothing else of the build)."""
+    """The exchange of builds and hosts (``heap.gpu_hosts``: at group creation and at each GPU
+    heap) through the group's store, with torch reporting a ROCm build on ``rocm_ranks``
+    (``torch.version.hip`` set there: the exchange reads nothing else of the build)."""
     from torch_tdist import heap
 
     store = dist.PrefixStore(f"gpu-hosts-test/{seed}/{rocm_ranks}", dist.distributed_c10d._get_default_store())
@@ -151,6 +151,6 @@ def gpu_hosts_with_builds(rank, ws, seed, rocm_ranks):
     if rank in rocm_ranks:
         torch.version.hip, torch.version.cuda = "6.4.43482", None
     try:
-        return heap._gpu_hosts(store, "heap", rank, ws, TIMEOUT)
+        return heap.gpu_hosts(store, "heap", rank, ws, TIMEOUT)
     finally:
         torch.version.hip, torch.version.cuda = real

@@ -153,3 +153,59 @@ def test_call_mismatched_across_ranks(pool, case, world_size, seed):
         assert outcome[0] == "raised", f"rank {r} did not raise: {outcomes}"
         assert outcome[1] == "ValueError", f"rank {r}: {outcome}"
         assert "tdist" in outcome[2] and "different call" in outcome[2], f"rank {r}: {outcome[2]}"
+
+
+# Cases where rank 0 alone can see that its arguments are wrong -> the message its peers must
+# show: its reason (rejected), or the mismatched-call machinery's (a different call).
+ONE_RANK = {
+    "scatter_list_too_long": "rejected", "scatter_list_too_short": "rejected",
+    "scatter_list_wrong_shape": "rejected",
+    "gather_list_too_long": "rejected", "gather_list_wrong_shape": "rejected",
+    "all_gather_output_wrong_size": "rejected", "reduce_scatter_output_wrong_size": "rejected",
+    "broadcast_root_shape": "different call", "broadcast_root_dtype": "different call",
+    "reduce_root_shape": "different call", "reduce_root_dtype": "different call",
+}
+
+
+@pytest.mark.tdist_only
+@pytest.mark.parametrize("case", list(ONE_RANK))
+@ws_param([2, 3])
+def test_one_rank_rejecting_its_arguments_fails_the_call_on_every_rank(pool, case, world_size, seed):
+    """Arguments that only rank 0 can tell are wrong (the root's scatter/gather lists, one rank's
+    output size, the root's tensor): rank 0 raises its own ValueError, and the ranks waiting for
+    the call raise too within a second, naming rank 0 and its reason, instead of waiting out
+    the timeout and stopping the group. The group then computes right results."""
+    before = shm_segment_names()
+    outcomes = pool.run(J.one_rank_rejects_then_recover, case, seed, timeout=60)
+    assert not shm_segment_names() - before, "segments left in /dev/shm"
+    problems = []
+    for rank, outcome in enumerate(outcomes):
+        if case.startswith("broadcast") and rank == 0:
+            continue  # the root sends and compares nothing: it may return
+        if outcome[0] != "raised":
+            problems.append(f"rank {rank} did not raise")
+            continue
+        _, kind, message, seconds = outcome
+        if kind not in ("ValueError", "TypeError"):
+            problems.append(f"rank {rank}: {kind}: {message}")
+        if seconds > 2:
+            problems.append(f"rank {rank}: raised after {seconds:.1f} s")
+        if rank != 0 and ONE_RANK[case] == "rejected":
+            if "rank 0 rejected its arguments" not in message:
+                problems.append(f"rank {rank}: rank 0 and its rejection not named: {message}")
+            if case.startswith(("scatter", "gather")) and "_list" not in message:
+                problems.append(f"rank {rank}: rank 0's reason not given: {message}")
+        elif rank != 0 and "different call" not in message:
+            problems.append(f"rank {rank}: not a mismatched call: {message}")
+    assert not problems, "\n".join(problems) + f"\n{outcomes}"
+
+
+@pytest.mark.tdist_only
+@ws_param([2, 3])
+def test_a_sparse_all_reduce_goes_to_the_fallback(pool, world_size, seed):
+    """Sparse tensors, which tdist's kernels do not serve, reach the fallback (Gloo serves a sparse
+    all_reduce) before any of tdist's checks read their sizes; the sum is right and counted as
+    the fallback's. (The other collectives have no sparse kernel in torch's dispatcher, which
+    raises before any backend sees the call.)"""
+    counted = pool.run(J.sparse_all_reduce, seed, timeout=60)
+    assert counted == [1] * world_size, f"calls counted as the fallback's: {counted}"

@@ -5,7 +5,7 @@ The registry and error tests run over every transport, ``hip`` (HIP IPC, AMD) in
 ``hip`` they cover its host logic: which build of PyTorch it serves and the ``auto`` choice, its
 checks at group creation (package, GPU, architecture, heap size), its segment handles passed
 through the store between real processes and what a peer refuses before mapping one, and the
-heap's refusal of a group mixing ROCm and CUDA builds. They do not cover its calls into the HIP
+refusal of a group mixing ROCm and CUDA builds (at group creation and at the heap). They do not cover its calls into the HIP
 runtime (``transports/hip_device.py``: allocation, IPC open and close, host-page mapping, stream
 calls), which need an AMD GPU: none has run them. Where a test needs torch to report a ROCm
 build or a GPU that this machine lacks, its fixture says so, and the test checks only what tdist
@@ -342,7 +342,7 @@ def test_hip_handles_pass_through_the_store_in_rank_order_and_bad_ones_are_refus
 
 
 @pytest.mark.tdist_only
-def test_a_group_mixing_rocm_and_cuda_builds_is_refused_at_the_heap_naming_the_ranks(pool3, seed):
+def test_a_group_mixing_rocm_and_cuda_builds_is_refused_naming_the_ranks(pool3, seed):
     assert pool3.run(J.gpu_hosts_with_builds, seed, []) == [[socket.gethostname()] * 3] * 3
     assert pool3.run(J.gpu_hosts_with_builds, seed, [0, 1, 2]) == [[socket.gethostname()] * 3] * 3
     pool3.run_expect_error(J.gpu_hosts_with_builds, seed, [1], exc_types=ValueError,

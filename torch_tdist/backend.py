@@ -64,14 +64,19 @@ def _make_executor(store, rank: int, size: int, timeout: timedelta, options):
 
 def _check_transport(executor):
     """Raise now, at init_process_group / new_group, when the transport the group's heap will
-    use (created at its first collective) cannot start on a device the group serves."""
-    from . import transports
+    use (created at its first collective) cannot start on a device the group serves. A GPU
+    group's ranks first tell each other their build of PyTorch and host: a group mixing ROCm and
+    CUDA raises here, and ``auto`` is checked as the transport it will pick (one host or several)."""
+    from . import heap, transports
 
     transport = getattr(executor, "transport", None)
     if transport is None:  # (an executor of set_executor_factory's without a heap)
         return
     for device_type in getattr(executor, "served_devices", []):
-        transports.check_available(transport, device_type, getattr(executor, "heap_bytes", None))
+        hosts = heap.gpu_hosts(executor.store, "tdist_group", executor.rank, executor.world_size,
+                                executor.timeout) if device_type == "cuda" else []
+        transports.check_available(transport, device_type, getattr(executor, "heap_bytes", None),
+                                   spans_nodes=len(set(hosts)) > 1)
 
 
 def _make_fallbacks(dist_opts, devices: list[str]) -> dict[str, dist.Backend]:

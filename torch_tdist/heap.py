@@ -19,18 +19,19 @@ from datetime import timedelta
 import torch
 
 from . import language, transports
+from .transports import wait_for_peers
 # (what callers of the heap have used from here: the segment names left in /dev/shm, the class)
 from .transports.shm import ShmSegment as _ShmSegment, shm_segment_names  # noqa: F401
 
 TRANSPORTS = ("auto", *transports.names())
 DEFAULT_HEAP_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # per rank and group
 
-def _gpu_hosts(store, key: str, rank: int, world_size: int, timeout: timedelta) -> list[str]:
+def gpu_hosts(store, key: str, rank: int, world_size: int, timeout: timedelta) -> list[str]:
     """Every rank's host, once every rank is known to run the same build of PyTorch: the ranks
     publish theirs, and a group mixing ROCm (AMD) and CUDA (NVIDIA) GPUs, which no transport
     serves, raises naming the ranks of each."""
     store.set(f"{key}/host/{rank}", f"{transports.gpu_build()}:{socket.gethostname()}")
-    store.wait([f"{key}/host/{peer}" for peer in range(world_size)], timeout)  # (the group's timeout)
+    wait_for_peers(store, f"{key}/host", world_size, timeout, "join the group's symmetric heap")
     builds, hosts = zip(*(store.get(f"{key}/host/{peer}").decode().split(":", 1)
                           for peer in range(world_size)))
     if len(set(builds)) > 1:
@@ -61,7 +62,7 @@ class SymmetricHeap:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        hosts = _gpu_hosts(store, key, rank, world_size, timeout) if self.device.type == "cuda" else []
+        hosts = gpu_hosts(store, key, rank, world_size, timeout) if self.device.type == "cuda" else []
         spans_nodes = transport == "auto" and len(set(hosts)) > 1
         self.transport = transports.resolve(transport, self.device.type, spans_nodes)
         self._transport = transports.get(self.transport)
@@ -112,12 +113,12 @@ class SymmetricHeap:
         own = transport.create(self.nbytes, self.device)
         try:
             store.set(f"{key}/handle/{self.rank}", own.handle)
-            store.wait([f"{key}/handle/{peer}" for peer in range(self.world_size)], timeout)
+            wait_for_peers(store, f"{key}/handle", self.world_size, timeout, "create a heap segment")
             handles = [store.get(f"{key}/handle/{peer}") for peer in range(self.world_size)]
             segments = [own if peer == self.rank else transport.open(handle, self.nbytes, self.device)
                         for peer, handle in enumerate(handles)]
             store.set(f"{key}/mapped/{self.rank}", "1")
-            store.wait([f"{key}/mapped/{peer}" for peer in range(self.world_size)], timeout)
+            wait_for_peers(store, f"{key}/mapped", self.world_size, timeout, "map the peers' heap segments")
             for handle in handles:  # every peer mapped them: the first rank here removes the names
                 transport.forget(handle)
         except BaseException:

@@ -32,7 +32,8 @@ NO_COUNT = staged.NO_COUNT.value  # (a call whose element counts differ between 
 CALL_CODE = {"all_gather_into_tensor": 1, "all_gather": 1, "reduce_scatter_tensor": 2,
              "reduce_scatter": 2, "all_reduce": 3, "reduce": 4, "all_to_all_single": 5,
              "all_to_all": 5, "broadcast": 6, "scatter": 7, "gather": 8, "barrier": 9,
-             "all_gather_matmul": 10, "matmul_reduce_scatter": 11}
+             "all_gather_matmul": 10, "matmul_reduce_scatter": 11,
+             "rejected": 12}  # a rank's stand-in for a call it rejected (rejection.py)
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(
     (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
      torch.int8, torch.uint8), start=1)}

@@ -22,8 +22,9 @@ from .. import language
 from ..bulk import PUSHERS, BulkPath
 from ..config import OVERLAPS, Config
 from ..heap import DEFAULT_HEAP_BYTES, TRANSPORTS, SymmetricHeap
+from ..transports import PeersMissing
 from ..triton_kernels import staged
-from . import registry, routing
+from . import registry, rejection, routing
 from .base import CALL_CODE, DTYPE_CODE, NO_COUNT, Call, flat
 from .context import CallContext, lay_out, region_count
 from .plans import LaunchPlans
@@ -68,6 +69,7 @@ class Executor(LaunchPlans):
         self._ctx = None  # the call context on the group's heap
         self._heaps_made = 0
         self._stopped = None  # why this group can serve no more collectives
+        self._calls = 0  # the calls the executor began: the same count on every rank (rejection.key)
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.
         self._abort_page = mmap.mmap(-1, mmap.PAGESIZE)
@@ -115,9 +117,13 @@ class Executor(LaunchPlans):
         nbytes = self.heap_bytes or DEFAULT_HEAP_BYTES[device.type]
         # each heap its own store keys: a peer could still read the handles of one that failed
         self._heaps_made += 1
-        heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout, device=device,
-                             transport=self.transport, key=f"tdist_heap_{self._heaps_made}",
-                             abort_address=self.abort_word_address)
+        try:
+            heap = SymmetricHeap(self.store, self.rank, self.world_size, nbytes, self.timeout, device=device,
+                                 transport=self.transport, key=f"tdist_heap_{self._heaps_made}",
+                                 abort_address=self.abort_word_address)
+        except PeersMissing as err:
+            raise TimeoutError(f"tdist {op}: Timed out after {self.timeout.total_seconds():g} s (rank "
+                               f"{self.rank} of {self.world_size}, group '{self.group_name}'): {err}") from err
         try:  # the group's own buffers (a heap too small for them raises)
             ctx = CallContext(heap, nbytes, self.rank, self.world_size, self.config,
                               lay_out(heap, nbytes, self.world_size, self.algorithms.values()),
@@ -151,6 +157,7 @@ class Executor(LaunchPlans):
                                f"and create a new one")
         device = self._default_device() if tensor is None else _canonical(tensor.device)
         self._ensure_heap(device, op)
+        self._calls += 1
         self._launched = []
         self._replayable = True
 
@@ -197,7 +204,8 @@ class Executor(LaunchPlans):
             self._stopped = f"{op} was aborted" if aborted else f"{op} timed out waiting for a peer"
             missing = self._missing_peers(cause)
             arrived = f"rank(s) {', '.join(map(str, missing))} did not arrive; " if missing else ""
-            raise _GroupStopped(f"tdist {op} (rank {self.rank} of {self.world_size}, group "
+            what = "Aborted" if aborted else f"Timed out after {self.timeout.total_seconds():g} s"
+            raise _GroupStopped(f"tdist {op}: {what} (rank {self.rank} of {self.world_size}, group "
                                 f"'{self.group_name}'): {arrived}{cause}") from err
 
     def _publish_signal_regions(self):
@@ -231,6 +239,10 @@ class Executor(LaunchPlans):
             return
         status_slot.zero_()
         peer, kind = status // 4 - 1, status % 4
+        reason = self._rejection(peer)
+        if reason is not None:
+            raise ValueError(f"tdist {op}: rank {peer} rejected its arguments of this call, so it ran on "
+                             f"no rank; the group serves the next one (rank {peer}: {reason})")
         if kind == staged.STATUS_SIZE_MISMATCH.value:
             raise ValueError(
                 f"tdist {op}: rank {peer} sends this rank a different number of elements than this "
@@ -240,6 +252,25 @@ class Executor(LaunchPlans):
             f"tdist {op}: rank {peer} made a different call than this rank ({op} of {what}): "
             f"another collective, dtype or element count (or another TDIST_ALGORITHM). Every rank of "
             f"a group must make the same calls in the same order with matching tensors")
+
+    def _rejection(self, peer: int) -> str | None:
+        """``peer``'s reason for rejecting the call being served, if it rejected it."""
+        found = rejection.key(self._calls, peer)
+        return self.store.get(found).decode() if self.store.check([found]) else None
+
+    def reject(self, op: str, tensor: torch.Tensor, root: int, reduce_op: str, reason: str):
+        """This rank's arguments of ``op`` failed the C++ checks, which raise ``reason`` once this
+        returns: stand in for the call so that the peers raise too (collectives/rejection.py).
+        ``tensor``: this rank's tensor that sizes the call; ``root``: its root rank, or -1."""
+        self._begin(op, tensor)
+        self.store.set(rejection.key(self._calls, self.rank), reason)
+        call = rejection.stand_in(op, tensor, root, reduce_op, self.world_size, self.rank)
+        if call is None or not self._check_calls:
+            return  # the peers learn of it at their timeout
+        try:
+            self._serve(call)
+        except ValueError:
+            pass  # the peers' calls differ from the stand-in, as they should
 
     # ---- the collectives (names as in torch.distributed) ---------------------------------
     def all_gather_into_tensor(self, output, input):

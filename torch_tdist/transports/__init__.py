@@ -14,10 +14,10 @@ import importlib
 
 import torch
 
-from .base import Segment, StreamOps, Transport, TransportUnavailable
+from .base import PeersMissing, Segment, StreamOps, Transport, TransportUnavailable, wait_for_peers
 
-__all__ = ["Segment", "StreamOps", "Transport", "TransportUnavailable", "names", "get", "resolve",
-           "check_available", "stream_ops", "gpu_build"]
+__all__ = ["PeersMissing", "Segment", "StreamOps", "Transport", "TransportUnavailable", "wait_for_peers",
+           "names", "get", "resolve", "check_available", "stream_ops", "gpu_build"]
 
 # name -> "module:class"; modules are imported when their transport is first asked for
 _REGISTRY = {
@@ -97,21 +97,21 @@ def _cannot_serve(name: str, device_type: str, wanted: list[str], why: str = "")
                       f"use {' or '.join(wanted)} (TDIST_TRANSPORT)")
 
 
-def check_available(name: str, device_type: str, heap_bytes: int | None = None):
+def check_available(name: str, device_type: str, heap_bytes: int | None = None, spans_nodes: bool = False):
     """Raise now if transport ``name`` (or ``auto``) cannot start for ``device_type`` tensors
     with a heap of ``heap_bytes`` per rank (None: the default): ValueError for a transport that
     does not serve the device, :class:`TransportUnavailable` for a missing package, device or
-    room, each naming the transport, the reason and the fix. Allocates nothing.
-    (``auto`` is checked as the transport it picks on one host; one that spans hosts and so
-    picks ``nvshmem`` learns that at the heap's creation.) A GPU transport of the other build
-    of PyTorch than this one is refused, naming the build it needs."""
+    room, each naming the transport, the reason and the fix. Allocates nothing. ``auto`` is
+    checked as the transport it picks for a group on several hosts (``spans_nodes``) or on one.
+    A GPU transport of the other build of PyTorch than this one is refused, naming the build it
+    needs."""
     wanted = _serving(device_type)
     if name != "auto" and get(name).name not in wanted:
         _refuse_other_build(name)
         if device_type == "cpu" and not torch.cuda.is_available():
             raise _cannot_serve(name, device_type, wanted,
                                 " (torch sees no CUDA device here, so tdist's groups serve CPU tensors)")
-    get(resolve(name, device_type)).check_available(device_type, heap_bytes)
+    get(resolve(name, device_type, spans_nodes)).check_available(device_type, heap_bytes)
 
 
 def stream_ops(device_type: str) -> StreamOps | None:

@@ -43,6 +43,24 @@ class TransportUnavailable(RuntimeError):
     """A transport cannot start here: its message names the transport, the reason and the fix."""
 
 
+class PeersMissing(TimeoutError):
+    """Ranks of the group did not arrive within its timeout while the heap was set up."""
+
+
+def wait_for_peers(store, key: str, world_size: int, timeout: timedelta, what: str):
+    """Wait until ``{key}/{rank}`` is in ``store`` for every rank; past ``timeout``, raise
+    :class:`PeersMissing` naming the ranks that did not ``what`` ("create a segment")."""
+    keys = [f"{key}/{peer}" for peer in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception as err:  # noqa: BLE001  (the store's timeout: DistStoreError, RuntimeError)
+        missing = [peer for peer, k in enumerate(keys) if not store.check([k])]
+        if not missing:
+            raise
+        raise PeersMissing(f"rank(s) {', '.join(map(str, missing))} did not arrive (did not {what} within "
+                           f"{timeout.total_seconds():g} s)") from err
+
+
 class Segment(ABC):
     """One rank's segment, mapped into this process.
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 
 from . import cuda_device
-from .base import TransportUnavailable
+from .base import TransportUnavailable, wait_for_peers
 from .cuda_ipc import CudaIpcTransport, CudaSegment
 
 INSTALL = ('pip install "torch-tdist[cuda]" (or pip install nvidia-nvshmem-cu13; with CUDA 12: '
@@ -50,7 +50,7 @@ class NvshmemSegment(CudaSegment):
         cuda_device.check(cuda_device.runtime(device).cudaMemset(address, 0, nbytes), "cudaMemset")
         cuda_device.check(cuda_device.runtime(device).cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         store.set(f"{key}/zeroed/{rank}", "1")  # no peer writes here before the zeros land
-        store.wait([f"{key}/zeroed/{peer}" for peer in range(world_size)], timeout)
+        wait_for_peers(store, f"{key}/zeroed", world_size, timeout, "zero its NVSHMEM heap")
         segments = []
         for peer in range(world_size):
             mapped = address if peer == rank else _C.nvshmem_ptr(address, peer)
