@@ -38,13 +38,14 @@ def _each_language_at_once(args: list) -> int:
     """Runs NVIDIA's targets and AMD's in two processes at once; the first to fail stops the other."""
     runs = [subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", *group])
             for group in ([a for a in args if not _is_amd(a)], [a for a in args if _is_amd(a)])]
+    failed = 0  # the exit status of the first to fail (the other's, once stopped, says nothing)
     while any(run.poll() is None for run in runs):
-        if any(run.poll() for run in runs):
-            for run in runs:
-                if run.poll() is None:
-                    run.terminate()
+        failed = failed or next((run.returncode for run in runs if run.poll()), 0)
+        for run in runs if failed else ():
+            if run.poll() is None:
+                run.terminate()
         time.sleep(0.5)
-    return next((run.returncode for run in runs if run.returncode), 0)
+    return failed or next((run.returncode for run in runs if run.returncode), 0)
 
 
 if __name__ == "__main__" and len({_is_amd(arch) for arch in sys.argv[1:]}) > 1:
