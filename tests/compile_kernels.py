@@ -1,32 +1,67 @@
-"""Compile every tdist kernel for a GPU target without a GPU (run as a script).
+"""Compile every tdist kernel for GPU targets without a GPU (run as a script).
 
-    TDIST_INTERPRET=0 python -m tests.compile_kernels [sm]
-    TDIST_INTERPRET=0 python -m tests.compile_kernels gfx942   # AMD MI300
+    TDIST_INTERPRET=0 python -m tests.compile_kernels [ARCH ...]
+    TDIST_INTERPRET=0 python -m tests.compile_kernels 90 amd   # what tests/test_compile.py runs
 
-(AMD GPUs have no programmatic dependent launch: for an AMD target the language is defined as
-torch built for ROCm defines it, see ``_as_on_amd``.)
+ARCH: an NVIDIA compute capability ("90", the default), an AMD architecture ("gfx942"), or
+``amd``: each of ``torch_tdist.language.AMD_ARCHS`` (MI300X's gfx942, MI355X's gfx950), the
+architectures a ROCm GPU must have (``language.check_amd_arch``).
 
-Compiles the specialisations in a process per core; prints a summary; exits non-zero on the
-first failure.
+Every specialisation is compiled to the GPU binary (cubin, hsaco) for every target, in one pool
+of a process per core over (target, specialisation) pairs. AMD GPUs have no programmatic
+dependent launch, and the language is defined when torch_tdist is imported (for an AMD target as
+torch built for ROCm defines it, see ``_as_on_amd``): NVIDIA's and AMD's targets given together
+are compiled by two such runs at once. The aligned bf16 data loops are compiled as for aligned
+operands, and for NVIDIA must use 16-byte loads and stores (``ld.global.v4`` in the PTX; on AMD
+not all do yet: the all-to-all with split sizes stores 8 bytes at a time). Prints a line per
+target; exits non-zero on the first failure.
 """
 
+import collections
+import functools
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
+import time
+import traceback
 
 os.environ.setdefault("TDIST_INTERPRET", "0")
 
 
-def _as_on_amd(arch: str) -> None:
-    """For an AMD target, before torch_tdist defines its kernels: torch reads as built for ROCm,
+def _is_amd(arch: str) -> bool:
+    return arch == "amd" or arch.startswith("gfx")
+
+
+def _each_language_at_once(args: list) -> int:
+    """Runs NVIDIA's targets and AMD's in two processes at once; the first to fail stops the other."""
+    runs = [subprocess.Popen([sys.executable, "-m", "tests.compile_kernels", *group])
+            for group in ([a for a in args if not _is_amd(a)], [a for a in args if _is_amd(a)])]
+    failed = 0  # the exit status of the first to fail (the other's, once stopped, says nothing)
+    while any(run.poll() is None for run in runs):
+        failed = failed or next((run.returncode for run in runs if run.poll()), 0)
+        for run in runs if failed else ():
+            if run.poll() is None:
+                run.terminate()
+        time.sleep(0.5)
+    return failed or next((run.returncode for run in runs if run.returncode), 0)
+
+
+if __name__ == "__main__" and len({_is_amd(arch) for arch in sys.argv[1:]}) > 1:
+    sys.exit(_each_language_at_once(sys.argv[1:]))  # (before torch_tdist defines the language)
+
+
+def _as_on_amd(archs: list) -> None:
+    """For AMD targets, before torch_tdist defines its kernels: torch reads as built for ROCm,
     so that the language defines what AMD GPUs run (no programmatic dependent launch)."""
-    if arch.startswith("gfx"):
+    if archs and all(_is_amd(arch) for arch in archs):
         import torch
 
         torch.version.hip = torch.version.hip or "compile check"
 
 
-_as_on_amd(sys.argv[1] if len(sys.argv) > 1 else "")  # (the target main() is given)
+_as_on_amd(sys.argv[1:])  # (the targets main() is given)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -174,6 +209,8 @@ def specialisations():
             "IEEE": "constexpr", "UPCAST": "constexpr"}, {
                 "ME": 1, "WORLD": 4, "KMAX": 64, **tiles, "BLOCK": 8192, "ALIGN": 8 if dt == "bf16" else 4,
                 "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}, options
+        if pushers:  # (the matmul + reduce_scatter has none: this one is the next one's)
+            continue
         yield overlap.gemm_rs_kernel, {
             "ctx": "*i64", "a": f"*{dt}", "b": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64",
             "ready": "*i64", "counters": "*i64", "m": "i32", "row0": "i32", "m_shard": "i32", "N": "i32",
@@ -251,20 +288,13 @@ def _aligned(signature):
             if ty.startswith("*") or ty == "i64"}
 
 
-def check_wide_accesses(target):
-    """The data-moving loops use 16-byte loads and stores (bf16, aligned operands)."""
-    checked = 0
-    for kernel, signature, constexprs, *_ in specialisations():
-        data = signature.get("out", signature.get("src", signature.get("dst", "")))
-        wanted = constexprs.get("ALIGN", 16) != 1 and ("bf16" in data or "i16" in data)
-        if kernel is _every_primitive or not wanted:
-            continue
-        ptx = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=_aligned(signature)),
-                             target=target).asm["ptx"]
-        for op in ("ld.global.v4", "st.global.v4"):
-            assert op in ptx, f"{kernel.__name__} {constexprs}: no {op} in the PTX (accesses not vectorised)"
-        checked += 1
-    assert checked >= 3 * 2, f"only {checked} kernels checked for wide accesses"
+WIDE_ACCESSES = ("ld.global.v4", "st.global.v4")  # 16-byte loads and stores in the PTX
+
+
+def _wide(kernel, signature, constexprs) -> bool:
+    """Whether the specialisation moves bf16 data, aligned: its loops must use 16-byte accesses."""
+    data = signature.get("out", signature.get("src", signature.get("dst", "")))
+    return kernel is not _every_primitive and constexprs.get("ALIGN", 16) != 1 and ("bf16" in data or "i16" in data)
 
 
 def nvshmem_kernels():
@@ -303,11 +333,20 @@ def compile_nvshmem_kernels(target, arch: int) -> str:
     return f"{count} NVSHMEM kernels compiled against {os.path.basename(library)}"
 
 
-def _compile(target, kernel, signature, constexprs, *options) -> None:
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
-                              options=options[0] if options else None)
-    binary = "hsaco" if target.backend == "hip" else "cubin"
+def _compile(target, kernel, signature, constexprs, options=None) -> bool:
+    """Compiles one specialisation to the GPU binary; a wide one (:func:`_wide`) as for aligned
+    operands, and for NVIDIA its 16-byte accesses checked. Returns whether they were."""
+    wide = _wide(kernel, signature, constexprs)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs,
+                                        attrs=_aligned(signature) if wide else None),
+                              target=target, options=options)
+    amd = target.backend == "hip"
+    binary = "hsaco" if amd else "cubin"
     assert compiled.asm.get(binary), f"{kernel.__name__}: no {binary}"
+    checked = wide and not amd
+    for op in WIDE_ACCESSES if checked else ():
+        assert op in compiled.asm["ptx"], f"{kernel.__name__} {constexprs}: no {op} in the PTX (accesses not vectorised)"
+    return checked
 
 
 def _target(arch: str):
@@ -315,15 +354,28 @@ def _target(arch: str):
     return GPUTarget("hip", arch, 64) if arch.startswith("gfx") else GPUTarget("cuda", int(arch), 32)
 
 
-def _compile_share(arch: str, share: int, shares: int) -> int:
-    """Compiles every ``shares``-th specialisation from the ``share``-th; returns how many."""
-    target = _target(arch)
-    count = 0
-    for i, specialisation in enumerate(specialisations()):
-        if i % shares == share:
-            _compile(target, *specialisation)
-            count += 1
-    return count
+def _target_name(arch: str) -> str:
+    return arch if arch.startswith("gfx") else f"sm_{arch}"
+
+
+@functools.cache
+def _specialisations() -> list:
+    """Every specialisation once (a duplicate would only cost CI time)."""
+    listed = list(specialisations())
+    keys = collections.Counter(repr((s[0].__name__, *s[1:])) for s in listed)
+    assert max(keys.values()) == 1, f"specialisations listed twice: {[k for k, n in keys.items() if n > 1]}"
+    return listed
+
+
+def _compile_one(task: tuple) -> tuple:
+    """(target, index in the list) -> (target, whether its wide accesses were checked, or the
+    failure as text)."""
+    arch, index = task
+    kernel, _, constexprs, *_ = _specialisations()[index]
+    try:
+        return arch, _compile(_target(arch), *_specialisations()[index])
+    except Exception:  # (reported by the parent: Triton's errors do not all cross processes)
+        return arch, f"{kernel.__name__} {constexprs} for {_target_name(arch)}:\n{traceback.format_exc()}"
 
 
 def compile_first(name: str, arch: str = "90") -> None:
@@ -332,20 +384,28 @@ def compile_first(name: str, arch: str = "90") -> None:
     _compile(_target(arch), *next(s for s in specialisations() if s[0].__name__ == name))
 
 
-def main(arch: str = "90") -> int:
+def main(*args: str) -> int:
     assert not tdl.INTERPRET, "run with TDIST_INTERPRET=0"
-    target = _target(arch)
-    amd = target.backend == "hip"
+    archs = [arch for arg in args or ("90",) for arch in (tdl.AMD_ARCHS if arg == "amd" else (arg,))]
+    amd = _is_amd(archs[0])
+    assert all(_is_amd(arch) == amd for arch in archs), "NVIDIA's and AMD's targets: run as a script"
     assert not (amd and tdl.DEPENDENT_LAUNCH), "AMD GPUs: the language was defined for NVIDIA's"
-    shares = os.cpu_count() or 1  # (a cold compile takes minutes on one core)
-    with multiprocessing.get_context("fork").Pool(shares) as pool:
-        count = sum(pool.starmap(_compile_share, [(arch, share, shares) for share in range(shares)]))
-    if amd:  # (the access-width and NVSHMEM checks read PTX)
-        print(f"compiled {count} kernel specialisations for {arch}")
-        return 0
-    check_wide_accesses(target)
-    print(f"compiled {count} kernel specialisations for sm_{arch}; data loops use 16-byte accesses; "
-          f"{compile_nvshmem_kernels(target, int(arch))}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (the pool's processes end with this one)
+    tasks = [(arch, index) for index in range(len(_specialisations())) for arch in archs]
+    compiled, wide = collections.Counter(), collections.Counter()
+    # a process per core (a cold compile takes minutes on one); each takes the next pair when done
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        for arch, result in pool.imap_unordered(_compile_one, tasks):
+            if isinstance(result, str):
+                print(f"failed to compile {result}", file=sys.stderr, flush=True)
+                return 1
+            compiled[arch] += 1
+            wide[arch] += result
+    for arch in archs:
+        assert amd or wide[arch] >= 3 * 2, f"only {wide[arch]} kernels checked for wide accesses"
+        checks = "" if amd else (f"; {wide[arch]} data loops use 16-byte accesses; "
+                                 f"{compile_nvshmem_kernels(_target(arch), int(arch))}")
+        print(f"compiled {compiled[arch]} kernel specialisations for {_target_name(arch)}{checks}", flush=True)
     return 0
 
 

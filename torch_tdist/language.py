@@ -65,6 +65,19 @@ def _dependent_launch() -> bool:
 # CPU): MI300X and MI355X. A ROCm GPU of another architecture is refused when a group is created.
 AMD_ARCHS = ("gfx942", "gfx950")
 
+
+def check_amd_arch(arch: str) -> None:
+    """Raises a ValueError unless ``arch``, an AMD GPU's architecture as ROCm names it
+    (``gcnArchName``: "gfx942" or with its features, "gfx942:sramecc+:xnack-"), is one of
+    :data:`AMD_ARCHS`. Triton would compile the kernels for any architecture it knows; only these
+    are checked to compile (on the CPU, every kernel), so another one is refused, by name."""
+    base = str(arch).split(":")[0]
+    if base not in AMD_ARCHS:
+        raise ValueError(f"tdist: this GPU is {base or repr(arch)}; tdist's kernels are built for "
+                         f"{', '.join(AMD_ARCHS)} (language.AMD_ARCHS). Use another backend for this GPU "
+                         f"(e.g. nccl, RCCL on ROCm), or add {base or 'its architecture'} to language.AMD_ARCHS "
+                         f"once every kernel compiles for it (python -m tests.compile_kernels {base or 'ARCH'}).")
+
 DEPENDENT_LAUNCH = _dependent_launch()
 """Whether kernels can be launched with programmatic dependent launch (CUDA GPUs): see
 :func:`wait_prior_kernels`."""
