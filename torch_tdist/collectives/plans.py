@@ -66,5 +66,7 @@ class LaunchPlans:
                 return None
         params += [(0, 0), (0, 0)]  # Triton's global and profile scratch pointers: none
         self._planned.extend(pinned)
-        return (compiled.function, (grid + (1, 1))[:3], 32 * md.num_warps, md.shared, params,
+        # threads per block: the target's warp (AMD: a wavefront of 64) times the warps
+        threads = getattr(md, "warp_size", 32) * md.num_warps
+        return (compiled.function, (grid + (1, 1))[:3], threads, md.shared, params,
                 bool(getattr(md, "launch_pdl", False)))
