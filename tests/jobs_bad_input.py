@@ -210,7 +210,7 @@ def mismatched_call_then_recover(rank, ws, case, seed):
 def _one_rank_rejects(rank, ws, case, seed, group=None):
     """Rank 0 (the root where there is one) passes arguments that only it can tell are wrong;
     the other ranks' arguments are right."""
-    g = torch.Generator().manual_seed(seed + rank)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed + rank)
     kw = {"group": group}
     root = 0
     mine = rank == root
@@ -249,7 +249,7 @@ def one_rank_rejects_then_recover(rank, ws, case, seed, group=None):
         outcome = ("returned",)
     except Exception as err:  # noqa: BLE001  (the test inspects what was raised)
         outcome = ("raised", type(err).__name__, str(err).splitlines()[0], time.monotonic() - start)
-    xs = [torch.randn(100, generator=torch.Generator().manual_seed(seed * 7 + r)) for r in range(ws)]
+    xs = [torch.randn(100, generator=torch.Generator().manual_seed(seed * 7 + r), device="cpu") for r in range(ws)]
     x = xs[rank].to(torch.get_default_device(), copy=True)
     dist.all_reduce(x, group=group)
     assert torch.allclose(x.cpu(), sum(xs), rtol=1e-5, atol=1e-5), "the group computes wrong results after the error"

@@ -262,6 +262,8 @@ class Executor(LaunchPlans):
         """This rank's arguments of ``op`` failed the C++ checks, which raise ``reason`` once this
         returns: stand in for the call so that the peers raise too (collectives/rejection.py).
         ``tensor``: this rank's tensor that sizes the call; ``root``: its root rank, or -1."""
+        if self._heap is not None and _canonical(tensor.device) != self._heap.device:
+            return  # (the tensor's device is what was rejected: the peers' call is on the heap's)
         self._begin(op, tensor)
         self.store.set(rejection.key(self._calls, self.rank), reason)
         call = rejection.stand_in(op, tensor, root, reduce_op, self.world_size, self.rank)
