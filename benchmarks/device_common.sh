@@ -9,6 +9,9 @@ set -u -o pipefail
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
+# the Python entry points use this tree's torch_tdist, installed or built in place (DRY=1)
+PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH
 # Every step, in the order they run (each a step_NAME function; a script runs those it defines).
 STEP_ORDER="demo test linkcheck checks integrations rocshmem soak badinput deadpeer moe bench sweep overlap host titan"
 wanted=" ${*:-all} "  # the steps asked for; "build" asks for the build alone

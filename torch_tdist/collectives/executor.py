@@ -269,8 +269,11 @@ class Executor(LaunchPlans):
         call = rejection.stand_in(op, tensor, root, reduce_op, self.world_size, self.rank)
         if call is None or not self._check_calls:
             return  # the peers learn of it at their timeout
+        algorithm = routing.choose(self.algorithms.values(), self.algorithm, self._ctx, call)
+        if not algorithm.compares_calls:
+            return  # (its peers wait for this rank's own call word: they learn of it at their timeout)
         try:
-            self._serve(call)
+            algorithm.run(self._ctx, call)
         except ValueError:
             pass  # the peers' calls differ from the stand-in, as they should
 

@@ -10,9 +10,10 @@ every rank ran the same launches, the group's signals stay in step for later cal
 mismatched call. The reason waits in the group's store under :func:`key`, for the peers'
 messages.
 
-Only where calls are compared (the interpreter, or ``TDIST_CHECK_CALLS=1`` on GPUs): elsewhere a
-stand-in would leave the peers' outputs untouched without an error, so the peers wait out the
-timeout instead (docs/reliability.md).
+Only where calls are compared (the interpreter, or ``TDIST_CHECK_CALLS=1`` on GPUs), and by an
+algorithm whose kernels compare them (``Algorithm.compares_calls``; not the low-latency kernel,
+whose receivers wait for lines flagged with their own call word): elsewhere the peers wait out
+the timeout instead (docs/reliability.md).
 """
 
 from __future__ import annotations
