@@ -7,7 +7,7 @@ pg_options={...})``, a dict) and the environment; an option wins over its variab
 | variable | backend option | default | what it does |
 | --- | --- | --- | --- |
 | ``TDIST_HEAP_SIZE`` | ``heap_size`` | 64M on the CPU, 1G on GPUs | bytes of each rank's symmetric heap per group (``268435456``, ``256M``, ``1G``) |
-| ``TDIST_TRANSPORT`` | ``transport`` | ``auto`` | ``shm`` (CPU), ``cuda`` (CUDA IPC, one node), ``nvshmem``; ``auto``: ``shm`` on the CPU, ``cuda`` on one node, ``nvshmem`` across nodes |
+| ``TDIST_TRANSPORT`` | ``transport`` | ``auto`` | ``shm`` (CPU), ``cuda`` (CUDA IPC, one node), ``nvshmem``, ``hip`` and ``rocshmem`` (AMD); ``auto``: ``shm`` on the CPU, ``cuda`` (``hip`` on a ROCm torch) on one node, ``nvshmem`` (``rocshmem``) across nodes |
 | ``TDIST_ALGORITHM`` | ``algorithm`` | ``auto`` | the collectives' algorithm: ``auto`` chooses by size, a name forces it wherever it serves (``torch_tdist.collectives.registry``) |
 | ``TDIST_OVERLAP`` | ``overlap`` | ``auto`` | how ``torch_tdist.ops`` run: ``sequential``, ``pipelined``, ``fused``, ``tune``; ``auto``: ``tune`` on GPUs, ``sequential`` on the CPU |
 | ``TDIST_ASYNC_ERROR_HANDLING`` | ``async_error_handling`` | ``1`` | ``1``: a GPU call past the group's timeout takes the process down (as NCCL's); ``0``: the group is aborted and later calls raise |

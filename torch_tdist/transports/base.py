@@ -6,8 +6,9 @@ heap out once and kernels can reach a peer's buffer by pointer translation. It a
 page for the device (the group's abort word, read by waiting kernels) and names the calls its
 device queues on a stream without a kernel (``StreamOps``).
 
-A new transport (``hip_ipc``, ``rocshmem``...) is one module in this package with a subclass of
-:class:`Transport` and one line in the registry (``torch_tdist/transports/__init__.py``).
+A transport (``shm``, ``cuda``, ``nvshmem``, ``hip``, ``rocshmem``) is one module in this
+package with a subclass of :class:`Transport` and one line in the registry
+(``torch_tdist/transports/__init__.py``).
 It implements:
 
 - ``name`` and ``device_types`` (the tensors' ``device.type`` it serves);
