@@ -220,6 +220,14 @@ def _one_rank_rejects(rank, ws, case, seed, group=None):
         dist.scatter(torch.empty(4), [torch.randn(4, generator=g) for _ in range(ws - 1)] if mine else None, src=root, **kw)
     elif case == "scatter_list_wrong_shape":
         dist.scatter(torch.empty(4), [torch.randn(5, generator=g) for _ in range(ws)] if mine else None, src=root, **kw)
+    elif case == "scatter_root_dtype":  # the root's whole call in float64, the others' in float32
+        dt = torch.float64 if mine else torch.float32
+        dist.scatter(torch.empty(4, dtype=dt), [torch.randn(4, generator=g, dtype=dt) for _ in range(ws)] if mine
+                     else None, src=root, **kw)
+    elif case == "gather_root_dtype":
+        dt = torch.float64 if mine else torch.float32
+        dist.gather(torch.randn(4, generator=g, dtype=dt), [torch.empty(4, dtype=dt) for _ in range(ws)] if mine
+                    else None, dst=root, **kw)
     elif case == "gather_list_too_long":
         dist.gather(torch.randn(4, generator=g), [torch.empty(4) for _ in range(ws + 1)] if mine else None, dst=root, **kw)
     elif case == "gather_list_wrong_shape":
