@@ -51,10 +51,8 @@ WorkPtr ProcessGroupTDist::_allgather_base(
   constexpr Op op = Op::AllGatherIntoTensor;
   bool fallback = !(strided(input) && strided(output));
   if (!fallback) {
-    checkOrReject(op, input, -1, [&] {
-      checkDevice(op, input, "input");
-      checkAllGatherPair(op, output, input, size_);
-    });
+    checkDevice(op, input, "input");
+    checkAllGatherPair(op, output, input, size_);
     fallback = limitBySize(op, routeMovement(input), input) == Route::Fallback;
   }
   if (fallback) {
@@ -120,11 +118,9 @@ WorkPtr ProcessGroupTDist::allgather(
   const auto& input = inputs[0];
   bool fallback = !strided(inputs) || !strided(outputs[0]);
   if (!fallback) {
-    checkOrReject(op, input, -1, [&] {
-      checkDevice(op, input, "input");
-      checkGroupSize(op, outputs[0].size(), "tensor_list");
-      checkListLike(op, outputs[0], "tensor_list", input, "input");
-    });
+    checkDevice(op, input, "input");
+    checkGroupSize(op, outputs[0].size(), "tensor_list");
+    checkListLike(op, outputs[0], "tensor_list", input, "input");
     fallback = limitBySize(op, routeMovement(input), input) == Route::Fallback;
   }
   if (fallback) {
@@ -206,10 +202,8 @@ WorkPtr ProcessGroupTDist::_reduce_scatter_base(
   constexpr Op op = Op::ReduceScatterTensor;
   bool fallback = !(strided(input) && strided(output));
   if (!fallback) {
-    checkOrReject(op, output, -1, [&] {
-      checkDevice(op, input, "input");
-      checkReduceScatterPair(op, output, input, size_);
-    }, &opts.reduceOp);
+    checkDevice(op, input, "input");
+    checkReduceScatterPair(op, output, input, size_);
     fallback = limitBySize(op, routeReduction(op, input, opts.reduceOp), input) ==
         Route::Fallback;
   }
@@ -282,11 +276,9 @@ WorkPtr ProcessGroupTDist::reduce_scatter(
   const auto& output = outputs[0];
   bool fallback = !strided(outputs) || !strided(inputs[0]);
   if (!fallback) {
-    checkOrReject(op, output, -1, [&] {
-      checkDevice(op, output, "output");
-      checkGroupSize(op, inputs[0].size(), "input_list");
-      checkListLike(op, inputs[0], "input_list", output, "output");
-    }, &opts.reduceOp);
+    checkDevice(op, output, "output");
+    checkGroupSize(op, inputs[0].size(), "input_list");
+    checkListLike(op, inputs[0], "input_list", output, "output");
     fallback = routeReduction(op, output, opts.reduceOp) == Route::Fallback;
   }
   if (fallback) {
@@ -316,7 +308,7 @@ WorkPtr ProcessGroupTDist::allreduce(
   const auto& t = tensors[0];
   bool fallback = !strided(tensors);
   if (!fallback) {
-    checkOrReject(op, t, -1, [&] { checkDevice(op, t, "tensor"); }, &opts.reduceOp);
+    checkDevice(op, t, "tensor");
     fallback = limitBySize(op, routeReduction(op, t, opts.reduceOp), t) == Route::Fallback;
   }
   if (fallback) {
@@ -379,8 +371,7 @@ WorkPtr ProcessGroupTDist::alltoall_base(
   bool fallback = !(strided(input) && strided(output));
   std::vector<int64_t> inSplits, outSplits;
   if (!fallback) {
-    // (with split sizes no tensor sizes the call as every rank sees it)
-    checkOrReject(op, even ? input : at::Tensor(), -1, [&] {
+    {
       checkDevice(op, input, "input");
       checkLike(op, input, "input", output, "output");
       TORCH_CHECK_VALUE(
@@ -411,7 +402,7 @@ WorkPtr ProcessGroupTDist::alltoall_base(
       inSplits = resolveSplits(op, inputSplitSizes, input, "input", "input_split_sizes", size_);
       outSplits =
           resolveSplits(op, outputSplitSizes, output, "output", "output_split_sizes", size_);
-    });
+    }
     fallback = limitBySize(op, routeMovement(input), input, even) == Route::Fallback;
   }
   if (fallback) {
@@ -488,11 +479,9 @@ WorkPtr ProcessGroupTDist::broadcast(
   const auto& t = tensors[0];
   bool fallback = !strided(tensors);
   if (!fallback) {
-    checkOrReject(op, t, opts.rootRank, [&] {
-      checkDevice(op, t, "tensor");
-      checkRoot(op, opts.rootRank, "src");
-      TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
-    });
+    checkDevice(op, t, "tensor");
+    checkRoot(op, opts.rootRank, "src");
+    TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
     fallback = limitBySize(op, routeMovement(t), t) == Route::Fallback;
   }
   if (fallback) {
@@ -538,7 +527,8 @@ WorkPtr ProcessGroupTDist::scatter(
   constexpr Op op = Op::Scatter;
   checkSingle(op, outputs, "output");
   const auto& output = outputs[0];
-  bool fallback = !strided(outputs) || !strided(flatten(inputs));
+  // routed by the tensor every rank has: the root's list is checked, and rejected, with it
+  bool fallback = !strided(outputs);
   std::vector<at::Tensor> scatterList;
   if (!fallback) {
     checkOrReject(op, output, opts.rootRank, [&] {
@@ -568,7 +558,7 @@ WorkPtr ProcessGroupTDist::gather(
   constexpr Op op = Op::Gather;
   checkSingle(op, inputs, "input");
   const auto& input = inputs[0];
-  bool fallback = !strided(inputs) || !strided(flatten(outputs));
+  bool fallback = !strided(inputs); // (as scatter's)
   std::vector<at::Tensor> gatherList;
   if (!fallback) {
     checkOrReject(op, input, opts.rootRank, [&] {
@@ -598,11 +588,9 @@ WorkPtr ProcessGroupTDist::reduce(
   const auto& t = tensors[0];
   bool fallback = !strided(tensors);
   if (!fallback) {
-    checkOrReject(op, t, opts.rootRank, [&] {
-      checkDevice(op, t, "tensor");
-      checkRoot(op, opts.rootRank, "dst");
-      TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
-    }, &opts.reduceOp);
+    checkDevice(op, t, "tensor");
+    checkRoot(op, opts.rootRank, "dst");
+    TORCH_CHECK_VALUE(opts.rootTensor == 0, prefix(op), "root tensor must be 0");
     fallback = routeReduction(op, t, opts.reduceOp) == Route::Fallback;
   }
   if (fallback) {

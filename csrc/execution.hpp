@@ -73,15 +73,14 @@ void ProcessGroupTDist::checkOrReject(
     Op op,
     const at::Tensor& call,
     int64_t root,
-    const Checks& checks,
-    const c10d::ReduceOp* rop) {
+    const Checks& checks) {
   try {
     checks();
   } catch (const c10::ValueError& e) {
-    rejectCall(op, call, root, rop, e.what_without_backtrace());
+    rejectCall(op, call, root, e.what_without_backtrace());
     throw;
   } catch (const c10::TypeError& e) {
-    rejectCall(op, call, root, rop, e.what_without_backtrace());
+    rejectCall(op, call, root, e.what_without_backtrace());
     throw;
   }
 }

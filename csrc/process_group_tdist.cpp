@@ -592,23 +592,15 @@ void ProcessGroupTDist::rejectCall(
     Op op,
     const at::Tensor& call,
     int64_t root,
-    const c10d::ReduceOp* rop,
     const char* reason) {
-  if (!call.defined() || call.layout() != at::kStrided) {
-    return;
-  }
-  try {
-    Route route = rop ? routeReduction(op, call, *rop) : routeMovement(call);
-    if (limitBySize(op, route, call) == Route::Fallback) {
-      return; // the peers' call is the fallback's: tdist has nothing to tell them
-    }
-  } catch (const c10::Error&) {
-    return; // a call no rank routes
+  if (!call.defined() || call.layout() != at::kStrided ||
+      (call.is_cuda() && call.device().index() != gpuIndex_) ||
+      routeMovement(call) == Route::Fallback) {
+    return; // (a tensor on another GPU was what was rejected; or the peers' call is the fallback's)
   }
   py::gil_scoped_acquire gil;
   try {
-    executor_.get().attr("reject")(
-        opName(op), call, root, rop ? executorOpName(rop->op_) : "sum", std::string(reason));
+    executor_.get().attr("reject")(opName(op), call, root, std::string(reason));
   } catch (py::error_already_set& e) {
     // (the group stopped, say): this rank raises its own error all the same
     LOG(WARNING) << prefix(op) << "the peers were not told of this rank's rejected call: "

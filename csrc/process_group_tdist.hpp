@@ -281,23 +281,14 @@ class ProcessGroupTDist : public c10d::Backend {
 
   // Runs `checks`. Where they reject this rank's arguments of a call that tdist would serve,
   // the peers are told first (rejectCall), then the error is raised. `call`: this rank's
-  // tensor that sizes the call as its peers see it (undefined: none does); `root`: the call's
-  // root rank, or -1; `rop`: a reduction's op.
+  // tensor that sizes the call as its peers see it, which the checks do not question (the
+  // tensor every rank of a scatter or gather has: the root's list is what they check);
+  // `root`: the call's root rank.
   template <typename Checks>
-  void checkOrReject(
-      Op op,
-      const at::Tensor& call,
-      int64_t root,
-      const Checks& checks,
-      const c10d::ReduceOp* rop = nullptr);
+  void checkOrReject(Op op, const at::Tensor& call, int64_t root, const Checks& checks);
   // The executor stands in for the rejected call (Executor.reject): peers waiting for it raise
   // at once, naming this rank and `reason`, and the group serves later calls.
-  void rejectCall(
-      Op op,
-      const at::Tensor& call,
-      int64_t root,
-      const c10d::ReduceOp* rop,
-      const char* reason);
+  void rejectCall(Op op, const at::Tensor& call, int64_t root, const char* reason);
   c10d::Backend& fallbackFor(Op op, c10::DeviceType type) const;
   c10d::Backend& fallbackForBarrier(const c10d::BarrierOptions& opts) const;
 

@@ -382,6 +382,8 @@ std::vector<at::Tensor> ProcessGroupTDist::rootList(
       lists.size());
   checkGroupSize(op, lists[0].size(), listName, " on the root rank");
   checkListLike(op, lists[0], listName, ref, refName);
+  TORCH_CHECK_VALUE(
+      strided(lists[0]), prefix(op), listName, " holds a tensor that is not strided (sparse)");
   return lists[0];
 }
 

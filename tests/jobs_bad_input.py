@@ -232,10 +232,9 @@ def _one_rank_rejects(rank, ws, case, seed, group=None):
         dist.gather(torch.randn(4, generator=g), [torch.empty(4) for _ in range(ws + 1)] if mine else None, dst=root, **kw)
     elif case == "gather_list_wrong_shape":
         dist.gather(torch.randn(4, generator=g), [torch.empty(3) for _ in range(ws)] if mine else None, dst=root, **kw)
-    elif case == "all_gather_output_wrong_size":  # only rank 0's output is too small
-        all_gather_single(torch.empty(4 * ws - (1 if mine else 0)), torch.randn(4, generator=g), **kw)
-    elif case == "reduce_scatter_output_wrong_size":
-        reduce_scatter_single(torch.empty(5 if mine else 4), torch.randn(4 * ws, generator=g), **kw)
+    elif case == "scatter_list_sparse":
+        dist.scatter(torch.empty(4), [torch.randn(4, generator=g).to_sparse() for _ in range(ws)] if mine else None,
+                     src=root, **kw)
     elif case == "broadcast_root_shape":
         dist.broadcast(torch.randn(5 if mine else 4, generator=g), src=root, **kw)
     elif case == "broadcast_root_dtype":
@@ -285,3 +284,21 @@ def sparse_all_reduce(rank, ws, seed):
     expected = sum(t.to_dense() for t in tensors)
     assert torch.allclose(x.to_dense(), expected, rtol=1e-6, atol=1e-6), "the sparse sum is wrong"
     return torch_tdist.stats()["all_reduce"]["fallback"] - before
+
+
+def rejected_scatter_in_rounds(rank, ws, seed):
+    """A scatter large enough to take several rounds of the staging area, whose root passes one
+    tensor too many: how it ended on each rank (kind, message, seconds), then a right scatter."""
+    n = 4096  # floats per rank: several rounds on a 64K heap
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=g) for _ in range(ws)]
+    start = time.monotonic()
+    try:
+        dist.scatter(torch.empty(n), parts + [parts[0]] if rank == 0 else None, src=0)
+        outcome = ("returned",)
+    except Exception as err:  # noqa: BLE001  (the test inspects what was raised)
+        outcome = ("raised", type(err).__name__, str(err).splitlines()[0], time.monotonic() - start)
+    out = torch.empty(n)
+    dist.scatter(out, parts if rank == 0 else None, src=0)
+    assert torch.equal(out, parts[rank]), "the scatter after the rejected one delivered wrong data"
+    return outcome

@@ -160,8 +160,8 @@ def test_call_mismatched_across_ranks(pool, case, world_size, seed):
 ONE_RANK = {
     "scatter_list_too_long": "rejected", "scatter_list_too_short": "rejected",
     "scatter_list_wrong_shape": "rejected",
+    "scatter_list_sparse": "rejected",
     "gather_list_too_long": "rejected", "gather_list_wrong_shape": "rejected",
-    "all_gather_output_wrong_size": "rejected", "reduce_scatter_output_wrong_size": "rejected",
     "scatter_root_dtype": "different call", "gather_root_dtype": "different call",
     "broadcast_root_shape": "different call", "broadcast_root_dtype": "different call",
     "reduce_root_shape": "different call", "reduce_root_dtype": "different call",
@@ -172,9 +172,9 @@ ONE_RANK = {
 @pytest.mark.parametrize("case", list(ONE_RANK))
 @ws_param([2, 3])
 def test_one_rank_rejecting_its_arguments_fails_the_call_on_every_rank(pool, case, world_size, seed):
-    """Arguments that only rank 0 can tell are wrong (the root's scatter/gather lists, one rank's
-    output size, the root's tensor): rank 0 raises its own ValueError, and the ranks waiting for
-    the call raise too within a second, naming rank 0 and its reason, instead of waiting out
+    """Arguments that only rank 0 can tell are wrong (the root's scatter/gather lists, the root's
+    tensor): rank 0 raises its own ValueError, and the ranks waiting for the call raise too
+    within a second, naming rank 0 and its reason (or a different call), instead of waiting out
     the timeout and stopping the group. The group then computes right results."""
     before = shm_segment_names()
     outcomes = pool.run(J.one_rank_rejects_then_recover, case, seed, timeout=60)
@@ -210,3 +210,19 @@ def test_a_sparse_all_reduce_goes_to_the_fallback(pool, world_size, seed):
     raises before any backend sees the call.)"""
     counted = pool.run(J.sparse_all_reduce, seed, timeout=60)
     assert counted == [1] * world_size, f"calls counted as the fallback's: {counted}"
+
+
+@pytest.mark.tdist_only
+def test_a_rejected_scatter_in_rounds_fails_at_once_and_the_group_goes_on(seed):
+    """The root rejects a scatter that takes several rounds of a small heap's staging area: it
+    stands in for the first round only, as its peers stop after theirs, so every rank raises at
+    once and the next scatter delivers the right data."""
+    pool = RankPool(2, backend_under_test(), env={"TDIST_HEAP_SIZE": "64K"}, name="RankPool(ws=2, heap 64K)")
+    try:
+        outcomes = pool.run(J.rejected_scatter_in_rounds, seed, timeout=60)
+    finally:
+        pool.shutdown()
+    for rank, outcome in enumerate(outcomes):
+        assert outcome[0] == "raised" and outcome[1] == "ValueError", f"rank {rank}: {outcome}"
+        assert outcome[3] < 2, f"rank {rank} raised after {outcome[3]:.1f} s"
+    assert "rank 0 rejected its arguments" in outcomes[1][2], outcomes[1]

@@ -72,9 +72,15 @@ def _check_transport(executor):
     transport = getattr(executor, "transport", None)
     if transport is None:  # (an executor of set_executor_factory's without a heap)
         return
+    store, rank, world, timeout = (getattr(executor, name, None) for name in ("store", "rank", "world_size", "timeout"))
     for device_type in getattr(executor, "served_devices", []):
-        hosts = heap.gpu_hosts(executor.store, "tdist_group", executor.rank, executor.world_size,
-                                executor.timeout) if device_type == "cuda" else []
+        hosts = []
+        if device_type == "cuda" and timeout is not None:  # (an executor of set_executor_factory's may lack them)
+            try:
+                hosts = heap.gpu_hosts(store, "tdist_group", rank, world, timeout)
+            except transports.PeersMissing as err:
+                raise dist.DistBackendError(f"tdist: Timed out after {timeout.total_seconds():g} s while "
+                                            f"creating the group (rank {rank} of {world}): {err}") from err
         transports.check_available(transport, device_type, getattr(executor, "heap_bytes", None),
                                    spans_nodes=len(set(hosts)) > 1)
 

@@ -133,11 +133,9 @@ class Algorithm:
 
     ``serves``: the families (COLLECTIVE_FAMILIES, or others an executor method asks for by
     name); ``devices``: the device types; ``selectable``: TDIST_ALGORITHM may force it;
-    ``default``: it serves whatever no other algorithm takes (routing.py); ``compares_calls``:
-    its kernels compare the peers' call words and skip the data of a different call, so a rank
-    can stand in for a call it rejected (rejection.py). An instance lives as long as its group;
-    ``areas()`` says what it needs from every heap the group makes, and ``attach(ctx)`` hands it
-    the heap's context once they are laid out."""
+    ``default``: it serves whatever no other algorithm takes (routing.py). An instance lives as
+    long as its group; ``areas()`` says what it needs from every heap the group makes, and
+    ``attach(ctx)`` hands it the heap's context once they are laid out."""
 
     name = "?"
     serves: tuple = ()
@@ -145,7 +143,6 @@ class Algorithm:
     dtypes: tuple | None = None  # None: every dtype the backend serves
     selectable = True
     default = False
-    compares_calls = True
 
     def areas(self) -> list[Area]:
         return []

@@ -53,6 +53,7 @@ class CallContext:
         self._tables = {}
         self._captured_tables = {}  # values -> (pinned values or None, device table): tables CUDA graphs use
         self.empty_header = torch.zeros(1, dtype=torch.int64, device=heap.device)
+        self.first_round_only = False  # a stand-in for a rejected call (rejection.py) runs one
         # Launch options of the signalling kernels: they may start while the kernel before them
         # runs (programmatic dependent launch; they wait for it in the kernel).
         pdl = language.DEPENDENT_LAUNCH and config.dependent_launch
@@ -98,7 +99,8 @@ class CallContext:
         if capacity == 0:
             raise ValueError(f"tdist: the symmetric heap is too small to stage {parts} elements of "
                              f"{dtype}; raise TDIST_HEAP_SIZE (or the backend option 'heap_size')")
-        return [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
+        pieces = [(s, min(capacity, numel - s)) for s in range(0, numel, capacity)] or [(0, 0)]
+        return pieces[:1] if self.first_round_only else pieces
 
     def slot_rounds(self, numel: int, dtype: torch.dtype, capacity: int | None = None):
         """(start, length, rounds left) of the pieces of ``numel`` elements, ``capacity`` each

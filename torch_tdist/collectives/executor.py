@@ -241,8 +241,8 @@ class Executor(LaunchPlans):
         peer, kind = status // 4 - 1, status % 4
         reason = self._rejection(peer)
         if reason is not None:
-            raise ValueError(f"tdist {op}: rank {peer} rejected its arguments of this call, so it ran on "
-                             f"no rank; the group serves the next one (rank {peer}: {reason})")
+            raise ValueError(f"tdist {op}: rank {peer} rejected its arguments of this call, so the call "
+                             f"failed; the group serves the next one (rank {peer}: {reason})")
         if kind == staged.STATUS_SIZE_MISMATCH.value:
             raise ValueError(
                 f"tdist {op}: rank {peer} sends this rank a different number of elements than this "
@@ -258,24 +258,26 @@ class Executor(LaunchPlans):
         found = rejection.key(self._calls, peer)
         return self.store.get(found).decode() if self.store.check([found]) else None
 
-    def reject(self, op: str, tensor: torch.Tensor, root: int, reduce_op: str, reason: str):
+    def reject(self, op: str, tensor: torch.Tensor, root: int, reason: str):
         """This rank's arguments of ``op`` failed the C++ checks, which raise ``reason`` once this
         returns: stand in for the call so that the peers raise too (collectives/rejection.py).
-        ``tensor``: this rank's tensor that sizes the call; ``root``: its root rank, or -1."""
-        if self._heap is not None and _canonical(tensor.device) != self._heap.device:
-            return  # (the tensor's device is what was rejected: the peers' call is on the heap's)
+        ``tensor``: this rank's tensor that sizes the call; ``root``: its root rank."""
+        if self._stopped or self._abort_word.value:
+            return  # (the group serves no calls: neither do the peers)
         self._begin(op, tensor)
         self.store.set(rejection.key(self._calls, self.rank), reason)
-        call = rejection.stand_in(op, tensor, root, reduce_op, self.world_size, self.rank)
+        call = rejection.stand_in(op, tensor, root, self.world_size, self.rank)
         if call is None or not self._check_calls:
             return  # the peers learn of it at their timeout
-        algorithm = routing.choose(self.algorithms.values(), self.algorithm, self._ctx, call)
-        if not algorithm.compares_calls:
-            return  # (its peers wait for this rank's own call word: they learn of it at their timeout)
+        self._ctx.first_round_only = True  # (the peers stop after theirs: it differs)
         try:
-            algorithm.run(self._ctx, call)
+            routing.choose(self.algorithms.values(), self.algorithm, self._ctx, call).run(self._ctx, call)
         except ValueError:
             pass  # the peers' calls differ from the stand-in, as they should
+        finally:
+            self._ctx.first_round_only = False
+            if self._stopped:  # (named after the call the user made)
+                self._stopped = self._stopped.replace("rejected", f"{op} (rejected here)", 1)
 
     # ---- the collectives (names as in torch.distributed) ---------------------------------
     def all_gather_into_tensor(self, output, input):

@@ -16,7 +16,6 @@ class Hierarchical(Algorithm):
     serves = ("hierarchical_all_gather",)
     selectable = False
     default = True
-    compares_calls = False
 
     def __init__(self):
         self.epoch = 0

@@ -37,7 +37,6 @@ LINES = Area("lines", lambda world, heap_bytes: 8 * 2 * world * slot_words(world
 class LowLatency(Algorithm):
     name = "lowlatency"
     serves = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-    compares_calls = False  # a receiver waits for lines flagged with its own call word
 
     def areas(self):
         return [oneshot.COUNTER, LINES]

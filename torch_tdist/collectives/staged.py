@@ -61,7 +61,8 @@ class Staged(Algorithm):
         src, n = call.src, call.src.numel()
         for start, length in ctx.rounds(n, src.dtype):
             self.publish(ctx, call.op, src[start:start + length], count=n)
-            if call.dst is None:  # nothing to pull, but the root's header is checked
+            if call.dst is None:  # nothing to pull, but the root's header is checked (a wait for
+                # the root's publish, so that a root that rejected its call fails it here too)
                 self.pull_copy(ctx, call.op, src, [(call.root, 0, 0, 0)], count=n)
             else:
                 self.pull_copy(ctx, call.op, call.dst,

@@ -66,13 +66,7 @@ def unpack_handle(handle: bytes, nbytes: int, host: str | None = None) -> bytes:
 def check_arch(arch: str):
     """Raise ValueError when a GPU's architecture (``gcnArchName``, e.g. gfx942:sramecc+:xnack-)
     is not one the kernels are built for (``language.AMD_ARCHS``)."""
-    name = arch.split(":")[0]
-    check = getattr(language, "check_amd_arch", None)
-    if check is not None:
-        check(name)
-    elif name not in language.AMD_ARCHS:
-        raise ValueError(f"tdist: this GPU's architecture {name} is not one tdist's kernels are "
-                         f"built for ({', '.join(language.AMD_ARCHS)})")
+    language.check_amd_arch(arch.split(":")[0])
 
 
 class HipSegment(CudaSegment):
