@@ -55,6 +55,7 @@ class CudaIpcTransport(Transport):
     name = "cuda"
     device_types = ("cuda",)
     segment_type = CudaSegment
+    device = cuda_device  # the module of the vendor's calls (hip_ipc's transport names its own)
 
     def check_available(self, device_type: str, heap_bytes: int | None = None):
         super().check_available(device_type, heap_bytes)
@@ -73,10 +74,10 @@ class CudaIpcTransport(Transport):
         pass  # an IPC handle names nothing that outlives its process
 
     def map_host_page(self, address: int, nbytes: int, device: torch.device) -> int:
-        return cuda_device.map_host_page(address, nbytes, device)
+        return self.device.map_host_page(address, nbytes, device)
 
     def unmap_host_page(self, address: int, device: torch.device):
-        cuda_device.unmap_host_page(address, device)
+        self.device.unmap_host_page(address, device)
 
     def stream_ops(self):
-        return cuda_device.STREAM_OPS
+        return self.device.STREAM_OPS

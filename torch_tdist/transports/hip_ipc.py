@@ -20,7 +20,7 @@ import torch
 from .. import language
 from . import hip_device
 from .base import Transport, TransportUnavailable
-from .cuda_ipc import CudaSegment
+from .cuda_ipc import CudaIpcTransport, CudaSegment
 
 TAG = b"tdisthip"
 IPC_HANDLE_BYTES = 64  # (HIP_IPC_HANDLE_SIZE)
@@ -96,17 +96,17 @@ class HipSegment(CudaSegment):
             hip_device.close_ipc_handle(self._address, self.device)
 
 
-class HipIpcTransport(Transport):
+class HipIpcTransport(CudaIpcTransport):
     """HIP IPC between the AMD GPUs of one node (xGMI or PCIe P2P)."""
 
     name = "hip"
-    device_types = ("cuda",)
     segment_type = HipSegment
+    device = hip_device
 
     def check_available(self, device_type: str, heap_bytes: int | None = None):
         if not torch.version.hip:
             raise hip_device.rocm_build_missing(self.name)
-        super().check_available(device_type, heap_bytes)
+        Transport.check_available(self, device_type, heap_bytes)  # (not CUDA's checks)
         if not torch.cuda.is_available():
             raise TransportUnavailable(
                 f"tdist: transport {self.name!r} cannot start: torch sees no AMD GPU here "
@@ -121,14 +121,3 @@ class HipIpcTransport(Transport):
                 f"rank is larger than the GPU's free memory ({free} bytes); lower "
                 f"TDIST_HEAP_SIZE (or the backend option 'heap_size')")
 
-    def forget(self, handle: bytes):
-        pass  # an IPC handle names nothing that outlives its process
-
-    def map_host_page(self, address: int, nbytes: int, device: torch.device) -> int:
-        return hip_device.map_host_page(address, nbytes, device)
-
-    def unmap_host_page(self, address: int, device: torch.device):
-        hip_device.unmap_host_page(address, device)
-
-    def stream_ops(self):
-        return hip_device.STREAM_OPS
