@@ -13,7 +13,7 @@ OUT=${OUT:-benchmarks/results}
 PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH
 # Every step, in the order they run (each a step_NAME function; a script runs those it defines).
-STEP_ORDER="demo test linkcheck checks integrations rocshmem soak badinput deadpeer moe bench sweep overlap host titan"
+STEP_ORDER="demo test linkcheck checks integrations rocshmem soak badinput deadpeer moe bench sweep overlap oversweep host titan"
 wanted=" ${*:-all} "  # the steps asked for; "build" asks for the build alone
 wanted=${wanted// all / $ALL_STEPS }
 mkdir -p "$OUT"
@@ -86,8 +86,12 @@ step_overlap() {
     benchmarks/overlap.py --out "$OUT" ${OVERLAP_ARGS-${BENCH_ARGS:-}} 2>&1 | tee "$OUT/overlap.log" || rc=1
 }
 step_host() {
-  TDIST_OVERLAP=pipelined timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-    benchmarks/host_time.py 2>&1 | tee "$OUT/host_time.log" || rc=1
+  timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    benchmarks/host_time.py --out "$OUT" 2>&1 | tee "$OUT/host_time.log" || rc=1
+}
+step_oversweep() {
+  TDIST_HEAP_SIZE=${TDIST_HEAP_SIZE:-2G} timeout 500 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+    benchmarks/overlap_sweep.py --out "$OUT" ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/overlap_sweep.log" || rc=1
 }
 step_titan() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/titan_site .whl/*.whl || rc=1

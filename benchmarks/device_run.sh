@@ -3,7 +3,7 @@
 # On a GPU machine: build the extension against the machine's torch, check every collective on
 # GPUs (the demo, against references), then benchmark tdist against NCCL side by side.
 # Logs and the JSON land in $OUT (if set) or benchmarks/results.
-#   bash benchmarks/device_run.sh [build|demo|test|checks|bench|sweep|overlap|host|titan|soak|moe|badinput|all]...
+#   bash benchmarks/device_run.sh [build|demo|test|checks|bench|sweep|overlap|oversweep|host|titan|soak|moe|badinput|all]...
 # (several in one invocation run in this script's order and share one build; all: demo, test, bench, moe;
 # build: the build alone; DRY=1 skips it)
 # checks: tests/gpu_checks.py on $NPROC ranks with ${CHECK_ARGS} (e.g. "--quick --only every_op").
@@ -11,7 +11,9 @@
 # bench: benchmarks/collectives.py with ${BENCH_ARGS} (python benchmarks/plot.py <json> draws its plot).
 # sweep: one bench run per value of an environment variable (an A/B in one job).
 # overlap: benchmarks/overlap.py (torch_tdist.ops against NCCL + matmul and torch's symm_mem).
-# host: benchmarks/host_time.py (host time per call, layer by layer; pipelined overlapped ops).
+# oversweep: benchmarks/overlap_sweep.py ${SWEEP_ARGS} (the ops over Llama-3 layer shapes and row counts,
+#   eager and in CUDA graphs, with host times).
+# host: benchmarks/host_time.py (host time per call, layer by layer: the overlap ops and a small all_reduce).
 # titan: benchmarks/titan.py ${TITAN_MODE:-bench} ${BENCH_ARGS} with torchtitan from the wheels in .whl/
 #   (carried to a machine without internet: README, "torchtitan"), e.g.
 #   NPROC=4 BENCH_ARGS="--repeat 2" bash benchmarks/device_run.sh titan

@@ -5,7 +5,7 @@
 # The counterpart of benchmarks/device_run.sh, whose steps (benchmarks/device_common.sh) it shares;
 # docs/amd.md lists what each step runs. Logs and the JSON land in $OUT (if set) or benchmarks/results.
 #   bash benchmarks/device_run_amd.sh [build|demo|test|linkcheck|checks|integrations|rocshmem|badinput|
-#                                      deadpeer|moe|bench|sweep|overlap|host|titan|soak|all]...
+#                                      deadpeer|moe|bench|sweep|overlap|oversweep|host|titan|soak|all]...
 # all: demo, test, bench, overlap, moe; test: linkcheck, checks, integrations, badinput, deadpeer
 # (what tests/test_gpu.py runs in device_run.sh's test, each entry point called here with the HIP
 # transport); rocshmem: the checks and the dead peer on the rocshmem transport (a build with ROCSHMEM).

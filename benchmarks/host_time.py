@@ -1,12 +1,20 @@
-"""Host microseconds per call of one torch_tdist.ops.matmul_reduce_scatter (pipelined, replayed
-from a CUDA graph; through autograd and without) and of the layers of one 4 KB all_reduce
-(tdist's and NCCL's), outermost first, with one small torch op for scale; each rank prints its
-own. Where the host time of a call nears its GPU time, the call is host-bound.
+"""Host microseconds per call, layer by layer: torch_tdist.ops (all_gather_matmul and
+matmul_reduce_scatter, each way) and a 4 KB all_reduce, against NCCL (+ torch.matmul) in the
+same run; each rank prints its own line, rank 0 writes ``host_time_<machine>.json``.
 
-    TDIST_OVERLAP=pipelined torchrun --nproc-per-node 2 benchmarks/host_time.py
+    torchrun --nproc-per-node 4 benchmarks/host_time.py [--out DIR]
 
-(benchmarks/results/host_time_NVIDIA_H200-x4.log has a run's figures.)
+A fused call's layers, outermost first: ``torch_tdist.ops.*`` (what users call: C++ issues a
+signature's later calls), the custom op ``torch.ops.tdist.*`` (the dispatcher's path, which
+torch.compile's graphs take), the backend's C++ entry point alone, and their parts: the group's
+collective from Python (``dist.all_gather_single``) and ``torch.matmul``. Shapes: M = 256 total
+rows, K = 4096, N = 6144 (all_gather_matmul) and 4096 (matmul_reduce_scatter), bf16, on groups
+whose policy is ``sequential`` and ``pipelined`` (the pipelined way's later calls replay a CUDA
+graph). Each figure: ``--calls`` calls back to back (issue only, no synchronisation inside),
+every layer in turn in each of ``--rounds`` rounds, the median round.
 """
+
+import argparse
 import statistics
 import time
 
@@ -14,31 +22,77 @@ import torch
 import torch.distributed as dist
 
 import torch_tdist
-from timing import start_job  # (importing it sets the NVLink-multicast safety variables)
+from torch_tdist.backend import _tdist_backend
+from torch_tdist.compat import all_gather_single, reduce_scatter_single
+from timing import start_job, write_result
 
 
 def per_call(fn, n: int) -> float:
     fn()
+    torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(n):
         fn()
     us = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    return round(us, 1)
+    return us
 
 
-def all_reduce_layers(group, device, rounds: int = 7, calls: int = 400) -> dict:
-    """A synchronous 4 KB all_reduce's host time: through torch.distributed's Python function,
-    through the process group's C++ dispatch (no Python checks), and the backend's own call, for
-    tdist and NCCL; a one-kernel torch op for scale. Every layer is timed in each of ``rounds``
-    rounds, the layers in turn (a slow moment of the host, or the first loop, counts against each
-    alike); the median round."""
+def in_rounds(layers: dict, rounds: int, calls: int) -> dict:
+    times = {name: [] for name in layers}
+    for _ in range(rounds):
+        for name, fn in layers.items():
+            times[name].append(per_call(fn, calls))
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+
+def fused_layers(groups: dict, world: int, device) -> dict:
+    m, k, n = 256, 4096, 6144
+    a = torch.randn(m // world, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n // world, device=device, dtype=torch.bfloat16)
+    rs_a = torch.randn(m, k // world, device=device, dtype=torch.bfloat16)
+    rs_b = torch.randn(k // world, 4096, device=device, dtype=torch.bfloat16)
+    gathered = torch.empty(m, k, device=device, dtype=torch.bfloat16)
+    scattered = torch.empty(m // world, 4096, device=device, dtype=torch.bfloat16)
+    product = rs_a @ rs_b
+    layers = {}
+    for label, group in groups.items():
+        backend = _tdist_backend(group)
+        layers.update({
+            f"{label}: ops.all_gather_matmul": lambda g=group: torch_tdist.ops.all_gather_matmul(a, b, group=g),
+            f"{label}: torch.ops.tdist.all_gather_matmul": lambda g=group: torch.ops.tdist.all_gather_matmul(
+                a, [b], g.group_name, 0, False),
+            f"{label}: backend.fused_all_gather_matmul": lambda be=backend: be.fused_all_gather_matmul(a, [b], 0, False),
+            f"{label}: ops.matmul_reduce_scatter": lambda g=group: torch_tdist.ops.matmul_reduce_scatter(rs_a, rs_b, group=g),
+            f"{label}: torch.ops.tdist.matmul_reduce_scatter": lambda g=group: torch.ops.tdist.matmul_reduce_scatter(
+                rs_a, rs_b, g.group_name, 0, "sum"),
+        })
+    tdist_group = next(iter(groups.values()))
+    layers.update({
+        "tdist: dist.all_gather_single": lambda: all_gather_single(gathered, a, group=tdist_group),
+        "tdist: dist.reduce_scatter_single": lambda: reduce_scatter_single(scattered, product, group=tdist_group),
+        "nccl: dist.all_gather_single + matmul": lambda: (all_gather_single(gathered, a), gathered @ b),
+        "nccl: matmul + dist.reduce_scatter_single": lambda: reduce_scatter_single(scattered, rs_a @ rs_b),
+        "torch.matmul (all_gather_matmul's)": lambda: gathered @ b,
+    })
+    for fn in layers.values():  # (first calls: tuning, recording, CUDA-graph captures)
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return layers
+
+
+def all_reduce_layers(group, device) -> dict:
+    """A synchronous 4 KB all_reduce: through torch.distributed's Python function, the process
+    group's C++ dispatch (no Python checks) and the backend's own call, tdist's and NCCL's; a
+    one-kernel torch op for scale."""
     x = torch.randn(1024, device=device)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # (what dist.all_reduce passes: the call runs on the caller's stream)
 
     def synchronous(call):
-        work = call()  # (no Work for a synchronous call from tdist, nor from NCCL since torch 2.8)
+        work = call()
         if work is not None:
             work.wait()
 
@@ -49,28 +103,31 @@ def all_reduce_layers(group, device, rounds: int = 7, calls: int = 400) -> dict:
         layers[f"{name}: group.allreduce"] = lambda pg=pg: synchronous(lambda: pg.allreduce([x], opts))
         layers[f"{name}: backend.allreduce"] = lambda b=backend: synchronous(lambda: b.allreduce([x], opts))
     layers["x.add_(1)"] = lambda: x.add_(1)
-    times = {name: [] for name in layers}
-    for _ in range(rounds):
-        for name, fn in layers.items():
-            times[name].append(per_call(fn, calls))
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+    return layers
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
     rank, world, device = start_job()
-    group = dist.new_group(backend="tdist")
-    a = torch.randn(2048, 1024, device=device, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
-    op = lambda: torch_tdist.ops.matmul_reduce_scatter(a, b, group=group)  # noqa: E731
-    for _ in range(10):  # recorded, then captured
-        op()
-    torch.cuda.synchronize()
-    dist.barrier()
-    rows = {"whole call": per_call(op, 200)}
-    with torch.inference_mode():
-        rows["no autograd (inference_mode)"] = per_call(op, 200)
-    print(f"{rank} matmul_reduce_scatter {rows}", flush=True)  # (one write a line: ranks' lines stay whole)
-    print(f"{rank} all_reduce {all_reduce_layers(group, device)}", flush=True)
+    groups = {policy: dist.new_group(backend="tdist", pg_options={"overlap": policy})
+              for policy in ("sequential", "pipelined")}
+    fused = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls)
+    reduce = in_rounds(all_reduce_layers(groups["sequential"], device), args.rounds, 200)
+    print(f"{rank} {fused}", flush=True)  # (one write a line: ranks' lines stay whole)
+    print(f"{rank} {reduce}", flush=True)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {**fused, **reduce})
+    if rank == 0:
+        rows = [{"layer": name, "host_us_by_rank": [r[name] for r in everyone],
+                 "host_us_median": round(statistics.median(r[name] for r in everyone), 1)} for name in everyone[0]]
+        write_result(args.out, "host_time", world,
+                     f"host microseconds per call, issue only: {args.calls} calls back to back (all_reduce: 200), "
+                     f"every layer in turn in {args.rounds} rounds, the median round; all_gather_matmul "
+                     f"M=256 K=4096 N=6144, matmul_reduce_scatter M=256 K=4096 N=4096, bf16", rows)
     dist.destroy_process_group()
 
 

@@ -159,4 +159,26 @@ void LaunchPlan::launch(const std::vector<uintptr_t>& roles, void* stream)
       function_, grid_, threads_, sharedBytes_, stream, args.data(), dependentLaunch_);
 }
 
+CallPlan CallPlan::fromPython(const py::handle& plan) {
+  CallPlan p;
+  for (const auto& launch : plan.cast<py::list>()) {
+    p.launches_.push_back(LaunchPlan::fromPython(launch));
+  }
+  TORCH_CHECK(!p.launches_.empty(), "tdist: a call plan has no launch");
+  return p;
+}
+
+void CallPlan::launch(const at::Tensor& input, const at::Tensor& output, void* stream) const {
+  launch(
+      {reinterpret_cast<uintptr_t>(input.data_ptr()),
+       reinterpret_cast<uintptr_t>(output.data_ptr())},
+      stream);
+}
+
+void CallPlan::launch(const std::vector<uintptr_t>& roles, void* stream) const {
+  for (const auto& one : launches_) {
+    one.launch(roles, stream);
+  }
+}
+
 } // namespace tdist

@@ -7,10 +7,11 @@
 //   both). ProcessGroupTDist makes a call on another stream than the group's
 //   previous call wait for that call's end, so the group's collectives on a
 //   rank run in one order, which the kernels' epoch signals rely on.
-// - LaunchPlan: the one kernel launch that served a call, as Python's
-//   executor made it the first time, replayed from C++ for later calls of the
-//   same shape with only the input and output pointers changed: no Python,
-//   no Triton launcher on the hot path.
+// - CallPlan: the kernel launches that served a call (LaunchPlan: one each;
+//   several where the message took rounds), as Python's executor made them
+//   the first time, replayed from C++ for later calls of the same shape with
+//   only the input and output pointers changed: no Python, no Triton
+//   launcher on the hot path.
 #pragma once
 
 #include <array>
@@ -118,6 +119,20 @@ class LaunchPlan {
   unsigned sharedBytes_ = 0;
   std::vector<std::pair<int, uint64_t>> params_;
   bool dependentLaunch_ = false;
+};
+
+// The launches that served one call, in order (one per round where a
+// message was larger than a mailbox slot; each a plain kernel launch whose
+// pointers into the call's tensors are offsets from their first bytes).
+class CallPlan {
+ public:
+  // From the executor's list of LaunchPlan tuples.
+  static CallPlan fromPython(const py::handle& plan);
+  void launch(const at::Tensor& input, const at::Tensor& output, void* stream) const;
+  void launch(const std::vector<uintptr_t>& roles, void* stream) const;
+
+ private:
+  std::vector<LaunchPlan> launches_;
 };
 
 } // namespace tdist

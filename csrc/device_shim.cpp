@@ -130,6 +130,10 @@ void streamWriteValue64(void* stream, uintptr_t address, uint64_t value) {
       "hipStreamWriteValue64");
 }
 
+void graphLaunch(void* graphExec, void* stream) {
+  check(hipGraphLaunch(static_cast<hipGraphExec_t>(graphExec), asStream(stream)), "hipGraphLaunch");
+}
+
 } // namespace driver
 
 } // namespace tdist
@@ -207,6 +211,7 @@ using EventRecord = int (*)(void* event, void* stream);
 using WaitEvent = int (*)(void* stream, void* event, unsigned flags);
 using EventCreate = int (*)(void** event, unsigned flags);
 using EventDestroy = int (*)(void* event);
+using GraphLaunch = int (*)(void* graphExec, void* stream);
 
 // What a stream program calls.
 struct StreamDriver {
@@ -217,6 +222,7 @@ struct StreamDriver {
   WaitEvent waitEvent;
   EventCreate eventCreate;
   EventDestroy eventDestroy;
+  GraphLaunch graphLaunch;
 };
 
 const StreamDriver& streamDriver() {
@@ -230,6 +236,7 @@ const StreamDriver& streamDriver() {
     d.waitEvent = reinterpret_cast<WaitEvent>(driverSymbol("cuStreamWaitEvent"));
     d.eventCreate = reinterpret_cast<EventCreate>(driverSymbol("cuEventCreate"));
     d.eventDestroy = reinterpret_cast<EventDestroy>(driverSymbol("cuEventDestroy_v2"));
+    d.graphLaunch = reinterpret_cast<GraphLaunch>(driverSymbol("cuGraphLaunch"));
     return d;
   }();
   return d;
@@ -356,6 +363,10 @@ void memsetD32Async(uintptr_t dst, unsigned value, size_t count, void* stream) {
 
 void streamWriteValue64(void* stream, uintptr_t address, uint64_t value) {
   check(streamDriver().writeValue64(stream, address, value, 0), "cuStreamWriteValue64");
+}
+
+void graphLaunch(void* graphExec, void* stream) {
+  check(streamDriver().graphLaunch(graphExec, stream), "cuGraphLaunch");
 }
 
 } // namespace driver

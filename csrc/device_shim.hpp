@@ -58,6 +58,9 @@ void streamWaitEvent(void* stream, void* event);
 void memcpyAsync(uintptr_t dst, uintptr_t src, size_t bytes, void* stream);
 void memsetD32Async(uintptr_t dst, unsigned value, size_t count, void* stream);
 void streamWriteValue64(void* stream, uintptr_t address, uint64_t value);
+// cuGraphLaunch (hipGraphLaunch on ROCm) of an instantiated graph torch captured
+// (torch.cuda.CUDAGraph.raw_cuda_graph_exec()).
+void graphLaunch(void* graphExec, void* stream);
 
 } // namespace driver
 

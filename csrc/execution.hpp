@@ -26,7 +26,7 @@ using WorkPtr = c10::intrusive_ptr<Work>;
 [[noreturn]] void throwPythonError(Op op, py::error_already_set& e);
 
 template <typename... Args>
-std::optional<LaunchPlan> ProcessGroupTDist::execute(
+std::optional<CallPlan> ProcessGroupTDist::execute(
     Op op,
     const char* method,
     Args&&... args) {
@@ -37,7 +37,7 @@ std::optional<LaunchPlan> ProcessGroupTDist::execute(
     if (plan.is_none()) {
       return std::nullopt;
     }
-    return LaunchPlan::fromPython(plan);
+    return CallPlan::fromPython(plan);
   } catch (py::error_already_set& e) {
     throwPythonError(op, e);
   }

@@ -65,6 +65,42 @@ PYBIND11_MODULE(_C, m) {
           py::arg("served_devices"),
           py::arg("devices"))
       .def(
+          "fused_all_gather_matmul",
+          &ProcessGroupTDist::fusedAllGatherMatmul,
+          py::arg("a"),
+          py::arg("bs"),
+          py::arg("dim"),
+          py::arg("return_a"),
+          py::arg("below_autograd") = false,
+          "(A gathered, [outputs]) of a torch_tdist.ops.all_gather_matmul call "
+          "issued from C++ the way its signature's first call ran; None where "
+          "no such call was remembered (the Python path serves it).")
+      .def(
+          "fused_matmul_reduce_scatter",
+          &ProcessGroupTDist::fusedMatmulReduceScatter,
+          py::arg("a"),
+          py::arg("b"),
+          py::arg("dim"),
+          py::arg("reduce_op"),
+          py::arg("below_autograd") = false,
+          "The output of a torch_tdist.ops.matmul_reduce_scatter call issued "
+          "from C++, or None (fused_all_gather_matmul).")
+      .def(
+          "remember_fused",
+          &ProcessGroupTDist::rememberFused,
+          py::arg("op"),
+          py::arg("a"),
+          py::arg("bs"),
+          py::arg("dim"),
+          py::arg("flag"),
+          py::arg("program"),
+          py::arg("staging"),
+          py::arg("state"),
+          py::arg("counts"),
+          "Issue later calls of this signature from C++: the sequential way "
+          "(program None) or the recorded StreamProgram.")
+      .def("forget_fused", &ProcessGroupTDist::forgetFused)
+      .def(
           "stats",
           &ProcessGroupTDist::stats,
           "{op: {'tdist': calls served by tdist, 'fallback': calls forwarded "
@@ -147,6 +183,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("world_size"),
       py::arg("library_path"),
       "(initialised here, my PE, number of PEs); NVSHMEM over the group");
+  py::class_<tdist::FusedCounts, std::shared_ptr<tdist::FusedCounts>>(m, "FusedCounts")
+      .def(py::init<>())
+      .def_readonly("sequential", &tdist::FusedCounts::sequential)
+      .def_readonly("program", &tdist::FusedCounts::program)
+      .def_readonly("graph", &tdist::FusedCounts::graph);
   py::class_<tdist::StreamProgram>(m, "StreamProgram")
       .def(
           py::init<const py::list&, const std::vector<std::tuple<int64_t, int64_t, int64_t>>&>(),
@@ -157,7 +198,14 @@ PYBIND11_MODULE(_C, m) {
           &tdist::StreamProgram::run,
           py::arg("roles"),
           py::call_guard<py::gil_scoped_release>(),
-          "Queue the recorded call with these tensors in place of the recorded ones.");
+          "Queue the recorded call with these tensors in place of the recorded ones.")
+      .def(
+          "add_graph",
+          &tdist::StreamProgram::addGraph,
+          py::arg("addresses"),
+          py::arg("graph_exec"),
+          py::arg("graph"))
+      .def("drop_graph", &tdist::StreamProgram::dropGraph, py::arg("addresses"));
   m.def("nvshmem_malloc", &tdist::nvshmem::malloc, py::arg("nbytes"));
   m.def("nvshmem_free", &tdist::nvshmem::free, py::arg("address"));
   m.def(

@@ -499,6 +499,7 @@ void ProcessGroupTDist::shutdown() {
   }
   if (Py_IsInitialized() && !pythonIsFinalizing()) {
     py::gil_scoped_acquire gil;
+    fusedPlans_.clear(); // (their programs point into the heap too; their objects need the GIL)
     py::object ex = executor_.get();
     try {
       if (py::hasattr(ex, "close")) {

@@ -13,6 +13,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -76,6 +78,13 @@ class GilSafeObject {
 
  private:
   PyObject* obj_ = nullptr;
+};
+
+// The calls of torch_tdist.ops issued from C++ (ProcessGroupTDist::fusedAllGatherMatmul...),
+// by op (0 all_gather_matmul, 1 matmul_reduce_scatter) and way: the sequential one, a
+// recorded stream program replayed step by step or by Python, or its CUDA graph launched here.
+struct FusedCounts {
+  std::array<uint64_t, 2> sequential{}, program{}, graph{};
 };
 
 class ProcessGroupTDist : public c10d::Backend {
@@ -220,6 +229,44 @@ class ProcessGroupTDist : public c10d::Backend {
   // {op name: {"tdist": n, "fallback": m}}; needs the GIL.
   py::dict stats() const;
 
+  // torch_tdist.ops' calls issued from C++ (fused_calls.cpp). After the first
+  // call of a signature (the tensors' dtype, device, shapes, strides and
+  // alignment, the op's dimension and flag) ran in Python, Python remembers
+  // how it ran: the sequential way (the group's collective, then at::matmul),
+  // or a recorded stream program of the pipelined way. A later call of the
+  // same signature runs that way here, without Python frames; any other call
+  // returns None and takes the Python path. All under the GIL.
+  // `belowAutograd`: called from the custom op's kernel (inputs may require
+  // grad there); otherwise such a call returns None.
+  py::object fusedAllGatherMatmul(
+      const at::Tensor& a,
+      const std::vector<at::Tensor>& bs,
+      int64_t dim,
+      bool returnA,
+      bool belowAutograd);
+  py::object fusedMatmulReduceScatter(
+      const at::Tensor& a,
+      const at::Tensor& b,
+      int64_t dim,
+      const std::string& reduceOp,
+      bool belowAutograd);
+  // `program`: None for the sequential way, else the StreamProgram of the
+  // pipelined way, `staging` its scratch role (matmul_reduce_scatter) and
+  // `state` the group's OverlapState, whose replay_program serves a call
+  // without a CUDA graph at its addresses yet. `counts`: where the calls
+  // issued here are counted.
+  void rememberFused(
+      const std::string& op,
+      const at::Tensor& a,
+      const std::vector<at::Tensor>& bs,
+      int64_t dim,
+      int64_t flag,
+      py::object program,
+      std::optional<at::Tensor> staging,
+      py::object state,
+      std::shared_ptr<FusedCounts> counts);
+  void forgetFused();
+
   // GPU calls of `opName` whose message is larger than `maxBytes` (-1: no
   // limit) and smaller than `servedFrom` (-1: any larger one) go to the
   // fallback (NCCL), as do all-to-alls whose ranks may send different sizes
@@ -298,7 +345,7 @@ class ProcessGroupTDist : public c10d::Backend {
   // plan it may return; Python exceptions come back as c10 errors that keep
   // their message.
   template <typename... Args>
-  std::optional<LaunchPlan> execute(Op op, const char* method, Args&&... args);
+  std::optional<CallPlan> execute(Op op, const char* method, Args&&... args);
 
   // Replays the plan for `key` when there is one and the tensors fit it;
   // otherwise calls the executor, which may return a plan for next time.
@@ -397,10 +444,36 @@ class ProcessGroupTDist : public c10d::Backend {
   // Makes the synchronous fallback call just queued on `stream` the last call.
   void becomeLastCall(c10::Stream stream, uint64_t capture);
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();
-  std::unordered_map<PlanKey, LaunchPlan, PlanKeyHash> plans_;
+  std::unordered_map<PlanKey, CallPlan, PlanKeyHash> plans_;
   std::mutex plansMutex_;
   at::Tensor unevenTable_; // the replayed uneven all-to-all's table
   int64_t unevenShareLimit_ = 0; // the most elements it may send a rank (known with a plan)
+
+  // fused_calls.cpp
+  struct FusedPlan {
+    std::shared_ptr<GilSafeObject> program, state; // program null: the sequential way
+    at::Tensor staging;
+    std::shared_ptr<FusedCounts> counts;
+  };
+  std::vector<int64_t> fusedKey(
+      int op,
+      const at::Tensor& a,
+      const std::vector<at::Tensor>& bs,
+      int64_t dim,
+      int64_t flag) const;
+  const FusedPlan* fusedPlan(
+      int op,
+      const at::Tensor& a,
+      const std::vector<at::Tensor>& bs,
+      int64_t dim,
+      int64_t flag,
+      bool belowAutograd) const;
+  // Raises where a fused call may not run: the group aborted, or stopped (Executor._begin).
+  void checkFusedOpen(const char* op) const;
+  // Runs `plan`'s stream program on `roles`: its CUDA graph where one was
+  // captured at their addresses, else ProgramReplay.run_program.
+  void runProgram(int op, const FusedPlan& plan, const std::vector<at::Tensor>& roles);
+  std::map<std::vector<int64_t>, FusedPlan> fusedPlans_;
 
   std::array<std::atomic<uint64_t>, kNumOps> tdistCount_{};
   std::array<std::atomic<uint64_t>, kNumOps> fallbackCount_{};

@@ -142,4 +142,34 @@ void StreamProgram::run(const std::vector<at::Tensor>& roles) const {
   }
 }
 
+void StreamProgram::addGraph(
+    const std::vector<uintptr_t>& addresses,
+    uintptr_t graphExec,
+    py::object graph) {
+  TORCH_CHECK(graphExec != 0, "tdist: a stream program's graph has no instantiated graph");
+  graphs_[addresses] = {reinterpret_cast<void*>(graphExec), std::move(graph)};
+}
+
+void StreamProgram::dropGraph(const std::vector<uintptr_t>& addresses) {
+  graphs_.erase(addresses);
+}
+
+bool StreamProgram::runGraph(const std::vector<at::Tensor>& roles) const {
+  if (graphs_.empty()) {
+    return false;
+  }
+  std::vector<uintptr_t> addresses;
+  addresses.reserve(roles.size());
+  for (const auto& t : roles) {
+    addresses.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()));
+  }
+  auto found = graphs_.find(addresses);
+  if (found == graphs_.end()) {
+    return false;
+  }
+  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+  driver::graphLaunch(found->second.first, guard.getStream(roles[0].device()).native_handle());
+  return true;
+}
+
 } // namespace tdist

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +37,16 @@ class StreamProgram {
   // Queues the call on the current stream of `roles[0]`'s device and the
   // side streams; `roles` as recorded (same shapes, strides and dtypes).
   void run(const std::vector<at::Tensor>& roles) const;
+
+  // The CUDA graphs Python captured of this program (replay.py), by the
+  // roles' addresses they were captured at: one launch instead of the steps.
+  // `graph` is the torch.cuda.CUDAGraph, kept until dropGraph (or this
+  // program) lets it go; `graphExec` its raw_cuda_graph_exec(). Under the GIL.
+  void addGraph(const std::vector<uintptr_t>& addresses, uintptr_t graphExec, py::object graph);
+  void dropGraph(const std::vector<uintptr_t>& addresses);
+  // Launches the graph captured at `roles`' addresses on the current stream
+  // of roles[0]'s device; false, queueing nothing, where there is none.
+  bool runGraph(const std::vector<at::Tensor>& roles) const;
 
  private:
   enum Kind : int { Copy, Zero, Write, After, Matmul, Launch };
@@ -70,6 +82,7 @@ class StreamProgram {
   std::vector<LaunchPlan> launches_;
   std::vector<c10::Stream> sides_;
   std::vector<void*> events_; // one per stream: the caller's, then the side streams'
+  std::map<std::vector<uintptr_t>, std::pair<void*, py::object>> graphs_;
 };
 
 } // namespace tdist

@@ -639,6 +639,50 @@ def twoshot_path(tg, rank, world, device, gen):
     _graph_replays(wg, "twoshot ", 1 << 18, 4096, torch.bfloat16, 20, warmups=1, device=device, gen=gen)
 
 
+def multi_round_plans(tg, rank, world, device, gen):
+    """Calls whose message takes several rounds of the mailboxes (a 16 MB heap: slots of about
+    400 KB on 4 ranks) are replayed from C++ after their first call, every round's launch:
+    all_gather, reduce_scatter (sum), all_reduce (one-shot and two-shot sizes),
+    all_to_all_single and broadcast of about 1 MB (what tdist serves on GPUs), three calls each
+    of one shape with fresh data and outputs first filled with 7s, against NCCL; the later calls
+    launch nothing from Python."""
+    from torch_tdist.collectives import oneshot, twoshot
+
+    hg = _tdist_group({"heap_size": "16M"})
+    n = (1 << 18) - 8 * world  # fp32 elements per rank: 1 MB less 32 bytes a rank
+    for trial in range(3):
+        with _launches_of(oneshot, "launch", lambda args: args[1]) as one, \
+                _launches_of(twoshot, "launch", lambda args: args[1]) as two:
+            x = _rand(n, torch.float32, device, gen)
+            _check(f"rounds all_gather #{trial}", *_pair(_gathered(x, world), hg))
+            wide = _rand(n * world, torch.float32, device, gen)
+
+            def scatter(g, wide=wide):
+                out = torch.full((n,), 7.0, device=device)
+                reduce_scatter_single(out, wide, group=g)
+                return out
+            _check(f"rounds reduce_scatter #{trial}", *_pair(scatter, hg))
+            for size in (n, 150_001):  # (two-shot in rounds; one-shot in rounds)
+                _check(f"rounds all_reduce n={size} #{trial}", *_pair(_all_reduced(_rand(size, torch.float32, device, gen),
+                                                                                     REDUCE_OPS["sum"]), hg))
+
+            def exchange(g, x=x):
+                out = torch.full_like(x, 7.0)
+                dist.all_to_all_single(out, x, group=g)
+                return out
+            _check(f"rounds all_to_all_single #{trial}", *_pair(exchange, hg))
+
+            def broadcast(g, x=x):
+                t = x.clone() if rank == 1 else torch.full_like(x, 7.0)
+                dist.broadcast(t, 1, group=g)
+                return t
+            _check(f"rounds broadcast #{trial}", *_pair(broadcast, hg))
+        global _checked
+        _checked += 1
+        if trial > 0 and (one or two):
+            _failures.append(f"rounds: call {trial} launched from Python: {one + two}")
+
+
 def lowlatency_path(tg, rank, world, device, gen):
     """The low-latency kernel (triton_kernels/lowlatency.py) on a group that takes it wherever a
     call fits: all_gather, reduce_scatter and all_reduce (sum, avg, max) in fp32 and bf16 at
@@ -823,6 +867,50 @@ def pipelined_graphs(tg, rank, world, device, gen):
     _checked += 1
     if state.replays.graph_calls != 2 * (calls - 2):
         _failures.append(f"pipelined_graphs: {state.replays.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
+
+
+def fused_issued_from_cpp(tg, rank, world, device, gen):
+    """Calls of torch_tdist.ops issued from C++ (csrc/fused_calls.cpp) after their signature's
+    first call ran in Python: on the same inputs, every later call is bit for bit the first
+    one's result (the sequential way, and the pipelined way's program, step by step and from
+    its CUDA graph); a new stride or dtype takes the Python path, still right."""
+    ways = {"sequential": {"overlap": "sequential"}}
+    if not NVSHMEM:
+        ways["pipelined"] = {"overlap": "pipelined"}
+    m, n, k, calls = 512, 768, 1024, 6
+    a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16)
+    rs_a = torch.randn(world * m, k, device=device, generator=gen).to(torch.bfloat16)
+    global _checked
+    for label, env in ways.items():
+        og = _tdist_group(env)
+        state = overlap.state(og)
+        ops = {"all_gather_matmul": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=og),
+               "matmul_reduce_scatter": lambda: torch_tdist.ops.matmul_reduce_scatter(rs_a, b, group=og)}
+        for i, (op, call) in enumerate(ops.items()):
+            first = call()  # through Python
+            issued = (state.issued.sequential[i], state.issued.program[i], state.issued.graph[i])
+            for j in range(1, calls):
+                again = call()  # (each call's output freed before the next: its graph finds it again)
+                _checked += 1
+                if not (torch.equal(again, first) and again.stride() == first.stride()):
+                    _failures.append(f"{label} {op} call {j}: issued from C++, differs from the Python path's")
+                del again
+            now = (state.issued.sequential[i], state.issued.program[i], state.issued.graph[i])
+            from_cpp = [x - y for x, y in zip(now, issued)]
+            want = [calls - 1, 0, 0] if label == "sequential" else None
+            if (want is not None and from_cpp != want) or (want is None and (from_cpp[0] or sum(from_cpp) != calls - 1
+                                                                            or from_cpp[2] == 0)):
+                _failures.append(f"{label} {op}: calls issued from C++ (sequential, program, graph) {from_cpp}")
+        # a stride it was not recorded for: the Python path, still right
+        before = (list(state.issued.sequential), list(state.issued.program), list(state.issued.graph))
+        b_cols = b.t().contiguous().t()
+        out = torch_tdist.ops.all_gather_matmul(a, b_cols, group=og)
+        a_full = torch.empty(world * m, k, device=device)
+        all_gather_single(a_full, a.float())
+        _relative(f"{label} all_gather_matmul, B column-major", out, a_full @ b.float())
+        if (list(state.issued.sequential), list(state.issued.program), list(state.issued.graph)) != before:
+            _failures.append(f"{label}: a call with B column-major was issued from C++")
 
 
 def pipelined_tf32_switch(tg, rank, world, device, gen):
@@ -1107,8 +1195,8 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, twoshot_path, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
-          pipelined_in_user_graph, pipelined_tf32_switch,
+          streamed_path, twoshot_path, multi_round_plans, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
+          pipelined_in_user_graph, pipelined_tf32_switch, fused_issued_from_cpp,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

@@ -213,3 +213,93 @@ def opchecks(rank, ws):
     b = torch.randn(8, 5)
     torch.library.opcheck(torch.ops.tdist.all_gather_matmul.default, (a3, [b], name, 1, True))
     torch.library.opcheck(torch.ops.tdist.matmul_reduce_scatter.default, (a3, b, name, 1, "avg"))
+
+
+def issued_from_cpp(rank, ws, seed):
+    """After a signature's first call ran in Python, later calls of it are issued by the C++
+    backend (csrc/fused_calls.cpp): on the same inputs bit for bit what the Python path gave, on
+    fresh inputs the float64 reference; a new shape, dtype, stride or dimension, inputs that need
+    autograd, and bad input take the Python path (its errors unchanged)."""
+    chk = Checker(rank, "fused calls issued from C++")
+    state = torch_tdist.overlap.state()
+    issued = state.issued
+
+    def counts():
+        return (issued.sequential[0], issued.sequential[1])
+
+    d = torch.bfloat16
+    m, k, n = 6, 16, 12
+    for case, (shape, dim, n_bs, return_a) in {
+            "2-D, one B": ([m, k], 0, 1, False), "3-D along dim 1, three Bs": ([2, m, k], 1, 3, True)}.items():
+        full_shape = list(shape)
+        full_shape[dim] *= ws
+        bs = [_operand([k, n + i], d, seed, 400 + 10 * rank + i) for i in range(n_bs)]
+
+        def call(a, bs=bs, dim=dim, return_a=return_a, n_bs=n_bs):
+            got = torch_tdist.ops.all_gather_matmul(a, bs if n_bs > 1 else bs[0], gather_dim=dim,
+                                                    return_a=True)
+            return got[0], (got[1] if n_bs > 1 else [got[1]])
+
+        for round_ in range(3):  # the first through Python, then from C++
+            a_full = _operand(full_shape, d, seed + round_, 500)
+            a_shard = a_full.chunk(ws, dim=dim)[rank].contiguous()
+            before = counts()
+            got_a, outs = call(a_shard)
+            from_cpp = counts()[0] - before[0]
+            chk.true(from_cpp == (round_ > 0), f"{case} call {round_}", f"{from_cpp} calls issued from C++")
+            chk.equal(got_a, a_full, f"{case} call {round_}: gathered A")
+            for i, out in enumerate(outs):
+                chk.products_close(out, a_full.double() @ bs[i].double(), f"{case} call {round_}: output {i}")
+            if round_ == 0:
+                python_a, python_outs = got_a, outs
+                again_a, again_outs = call(a_shard)  # the same inputs, issued from C++
+                chk.true(torch.equal(again_a, python_a) and again_a.stride() == python_a.stride(),
+                         f"{case}: gathered A", "C++ and Python differ")
+                for i, (o, p) in enumerate(zip(again_outs, python_outs)):
+                    chk.true(torch.equal(o, p) and o.stride() == p.stride(), f"{case}: output {i}",
+                             "C++ and Python differ")
+
+    # other signatures and inputs take the Python path
+    a = _operand([m, k], d, seed, 600 + rank)
+    b = _operand([k, n], d, seed, 700 + rank)
+    torch_tdist.ops.all_gather_matmul(a, b)
+    for what, args in {"another shape": (_operand([m + 2, k], d, seed, 601 + rank), b),
+                       "another dtype": (a.half(), b.half()),
+                       "another stride": (a, b.t().contiguous().t())}.items():
+        before = counts()
+        out = torch_tdist.ops.all_gather_matmul(*args)
+        gathered = torch.cat([_operand([m + 2 if what == "another shape" else m, k], d, seed,
+                                       (601 if what == "another shape" else 600) + r) for r in range(ws)])
+        chk.true(counts() == before, what, f"issued from C++: {before} -> {counts()}")
+        chk.products_close(out, gathered.double() @ args[1].double(), what)
+    # inputs that need autograd go through the custom op's autograd; below it, C++ issues the call
+    a_grad = a.clone().requires_grad_()
+    before = counts()
+    out = torch_tdist.ops.all_gather_matmul(a_grad, b)
+    out.sum().backward()
+    chk.true(counts()[0] == before[0] + 1, "autograd", f"issued from C++: {before} -> {counts()}")
+    b_sum = sum(_operand([k, n], d, seed, 700 + r).double() for r in range(ws))
+    chk.products_close(a_grad.grad, torch.ones(m, n, dtype=torch.float64) @ b_sum.t(), "autograd: grad of A")
+    try:
+        torch_tdist.ops.all_gather_matmul(a, b.double())
+        chk.true(False, "bad input", "no error")
+    except TypeError as err:
+        chk.true("all_gather_matmul" in str(err) and "float64" in str(err), "bad input", str(err))
+
+    # matmul_reduce_scatter, sum and avg
+    for reduce_op in ("sum", "avg"):
+        a_parts = {r: _operand([ws * m, k], d, seed, 800 + r) for r in range(ws)}
+        b_parts = {r: _operand([k, n], d, seed, 900 + r) for r in range(ws)}
+        want = sum(a_parts[r].double() @ b_parts[r].double() for r in range(ws))
+        want = (want / ws if reduce_op == "avg" else want).chunk(ws)[rank]
+        results = []
+        for round_ in range(3):
+            before = counts()
+            out = torch_tdist.ops.matmul_reduce_scatter(a_parts[rank], b_parts[rank], reduce_op=reduce_op)
+            from_cpp = counts()[1] - before[1]
+            chk.true(from_cpp == (round_ > 0), f"{reduce_op} call {round_}", f"{from_cpp} calls issued from C++")
+            chk.products_close(out, want, f"matmul_reduce_scatter {reduce_op} call {round_}")
+            results.append(out)
+        chk.true(all(torch.equal(r, results[0]) for r in results), f"{reduce_op}: C++ and Python",
+                 "results differ on the same inputs")
+    chk.done()

@@ -111,6 +111,12 @@ def test_matmul_reduce_scatter(pool, dtype, reduce_op, seed):
     pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op)
 
 
+@ws_param([2, 3])
+def test_calls_issued_from_cpp(pool, seed):
+    """A signature's later calls are issued by the C++ backend, bit for bit as Python made them."""
+    pool.run(J.issued_from_cpp, seed)
+
+
 @ws_param([2])
 def test_ops_under_torch_compile(pool, seed):
     pool.run(J.compiled, seed, timeout=300)
@@ -196,7 +202,9 @@ def test_program_graph_cache(monkeypatch):
     step the first time its tensors are at given addresses, is captured the second time and
     replayed from its graph afterwards; the least recently used graph goes beyond PROGRAM_GRAPHS;
     past PROGRAM_GRAPHS captures, another is made only once graph replays number CAPTURE_PAYBACK
-    per capture."""
+    per capture. The program's own map of graphs (which C++ launches) follows the cache."""
+    import types
+
     import torch
 
     from torch_tdist.overlap import replay
@@ -213,9 +221,20 @@ def test_program_graph_cache(monkeypatch):
         def replay(self):
             pass
 
+        def raw_cuda_graph_exec(self):
+            return id(self)
+
     class Program:
         def __init__(self):
             self.steps_runs = self.captures = 0
+            self.graphs = set()
+
+        def add_graph(self, addresses, graph_exec, graph):
+            assert graph_exec == id(graph)
+            self.graphs.add(tuple(addresses))
+
+        def drop_graph(self, addresses):
+            self.graphs.remove(tuple(addresses))
 
         def run(self, roles):
             if Graph.capturing:
@@ -243,13 +262,14 @@ def test_program_graph_cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    replays = replay.ProgramReplay(Executor())
+    replays = replay.ProgramReplay(Executor(), types.SimpleNamespace(graph=[0, 0], program=[0, 0]))
     program = Program()
     at = {address: [Role(address), Role(address + 1)] for address in (100, 200, 300)}
 
     def calls(*addresses):
         for address in addresses:
             replays.run_program(program, at[address])
+            assert program.graphs == {tuple(where[1:]) for where in replays.graphs}
         return program.steps_runs, program.captures, replays.graph_calls
 
     assert calls(100, 100, 100, 100) == (1, 1, 3)  # steps, then captured once and replayed

@@ -68,7 +68,9 @@ class Executor(LaunchPlans):
         self._heap = None
         self._ctx = None  # the call context on the group's heap
         self._heaps_made = 0
-        self._stopped = None  # why this group can serve no more collectives
+        # why this group can serve no more collectives (also read by the C++ backend before a
+        # fused call it issues: csrc/fused_calls.cpp)
+        self._stopped = None
         self._calls = 0  # the calls the executor began: the same count on every rank (rejection.key)
         # The group's abort word, a page of its own (a GPU can map it): the C++ backend sets it
         # (ProcessGroupTDist.abort()), waits give up and calls refuse once it is set.

@@ -13,27 +13,34 @@ class LaunchPlans:
     """The Executor's launch plans (it records ``_launched``, ``_replayable`` and ``_planned``)."""
 
     def _plan(self, src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor | None = None):
-        """The call's launch as C++ can replay it for the next call of this shape (see
-        ``csrc/device_path.hpp``): ``(function, grid, threads, shared bytes, params, dependent
-        launch)``, each param ``(kind, value)`` with kind 0/1 a 64/32-bit literal, LAUNCH_ROLE_PTR the input's
-        address, LAUNCH_ROLE_PTR + 1 the output's and LAUNCH_ROLE_PTR + 2 the all-to-all ``table``'s
-        (C++ writes each call's own). None when the call was not one plain launch on ``src``
-        and ``dst``."""
-        if language.INTERPRET or self._check_calls or len(self._launched) != 1 or not self._replayable:
+        """The call's launches as C++ can replay them for the next call of this shape (see
+        ``csrc/device_path.hpp``, ``CallPlan``): a list, one per launch (per round of a message
+        larger than a mailbox slot), of ``(function, grid, threads, shared bytes, params,
+        dependent launch)``, each param ``(kind, value)`` with kind 0/1 a 64/32-bit literal,
+        LAUNCH_ROLE_PTR the input's address plus ``value`` bytes, LAUNCH_ROLE_PTR + 1 the
+        output's and LAUNCH_ROLE_PTR + 2 the all-to-all ``table``'s (C++ writes each call's own).
+        None when the call was not only plain launches on ``src`` and ``dst``."""
+        if language.INTERPRET or self._check_calls or not self._launched or not self._replayable:
             return None
-        (kernel, compiled, grid, args, meta), = self._launched
-        self._launched = []
-        roles = {"src": (src.data_ptr(), LAUNCH_ROLE_PTR), "dst": (dst.data_ptr(), LAUNCH_ROLE_PTR + 1)}
+        launched, self._launched = self._launched, []
+        roles = {"src": (src, LAUNCH_ROLE_PTR), "dst": (dst, LAUNCH_ROLE_PTR + 1)}
         if table is not None:
-            roles["tables"] = (table.data_ptr(), LAUNCH_ROLE_PTR + 2)
+            roles["tables"] = (table, LAUNCH_ROLE_PTR + 2)
+
+        def within(address, t):
+            return 0 <= address - t.data_ptr() <= t.numel() * t.element_size()
 
         def bind(name, value):
-            if name not in roles:
-                return 0, value.data_ptr()
-            if value.data_ptr() != roles[name][0] or value.data_ptr() % 16:
+            if name not in roles:  # (a pointer into a call's tensor under another name: not replayable)
+                inside = any(within(value.data_ptr(), t) and t.numel() for t, _ in roles.values())
+                return None if inside else (0, value.data_ptr())
+            role, kind = roles[name]
+            if role.data_ptr() % 16 or not within(value.data_ptr(), role):
                 return None  # a copy of the caller's tensor, or unaligned
-            return roles[name][1], 0
-        return self._launch_tuple(kernel, compiled, grid, args, meta, bind)
+            return kind, value.data_ptr() - role.data_ptr()
+        plans = [self._launch_tuple(kernel, compiled, grid, args, meta, bind)
+                 for kernel, compiled, grid, args, meta in launched]
+        return None if None in plans else plans
 
     def _launch_tuple(self, kernel, compiled, grid, args, meta, bind):
         """A recorded launch as ``LaunchPlan`` takes it: ``(function, grid, threads, shared

@@ -28,6 +28,8 @@ recorded programs and their graphs, counters) is one ``OverlapState`` (``state.p
 What this package uses of the layers below, and nothing else of them:
 
 - the group's C++ backend (``backend._tdist_backend(group)``): ``executor``, ``check_open(op)``,
+  ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (a call issued from C++ the way
+  its signature's first call ran; None for a new signature) and ``remember_fused`` (how it ran),
   ``watch_queued(op, device_index)`` (the watchdog), ``order_queued(device_index)`` (one stream
   order per group);
 - its executor (``collectives.Executor``): ``rank``, ``world_size``, ``overlap`` (the policy),
@@ -59,7 +61,11 @@ def all_gather_matmul(a_shard: Tensor, b, group=None, gather_dim: int = 0, retur
     group). ``b``: a [K, N] matrix or a list of them (one output each). With ``return_a``, returns
     ``(a_full, out)``."""
     bs = list(b) if isinstance(b, (list, tuple)) else [b]
-    a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, bs, _group_name(group), gather_dim, return_a)
+    pg, backend = _group(group)
+    found = backend.fused_all_gather_matmul(a_shard, bs, gather_dim, return_a) if _direct(a_shard, *bs) else None
+    if found is None:  # (the custom op: autograd, torch.compile, a new signature...)
+        found = torch.ops.tdist.all_gather_matmul(a_shard, bs, pg.group_name, gather_dim, return_a)
+    a_full, outs = found
     out = outs if isinstance(b, (list, tuple)) else outs[0]
     return (a_full, out) if return_a else out
 
@@ -67,7 +73,11 @@ def all_gather_matmul(a_shard: Tensor, b, group=None, gather_dim: int = 0, retur
 def matmul_reduce_scatter(a: Tensor, b: Tensor, group=None, scatter_dim: int = 0, reduce_op: str = "sum"):
     """This rank's shard of ``reduce_scatter(a @ b, scatter_dim)`` over ``group`` (a tdist group;
     None: the default group), ``reduce_op`` "sum" or "avg"."""
-    return torch.ops.tdist.matmul_reduce_scatter(a, b, _group_name(group), scatter_dim, reduce_op)
+    pg, backend = _group(group)
+    found = backend.fused_matmul_reduce_scatter(a, b, scatter_dim, reduce_op) if _direct(a, b) else None
+    if found is None:
+        found = torch.ops.tdist.matmul_reduce_scatter(a, b, pg.group_name, scatter_dim, reduce_op)
+    return found
 
 
 def state(group=None) -> OverlapState:
@@ -78,7 +88,16 @@ def state(group=None) -> OverlapState:
     return state_of(_tdist_backend(group).executor)
 
 
-def _group_name(group) -> str:
+def _group(group):
+    """(the process group, its tdist backend): a clear error for groups of other backends."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    _tdist_backend(pg)  # a clear error for groups of other backends
-    return pg.group_name
+    return pg, _tdist_backend(pg)
+
+
+def _direct(*tensors) -> bool:
+    """Whether a call may go straight to the C++ backend's remembered signatures
+    (``csrc/fused_calls.cpp``) rather than through the custom op: not while torch.compile traces,
+    nor under a torch function mode or for a tensor with ``__torch_function__``. (The backend
+    itself refuses calls that need autograd, autocast, a dispatch mode or a tensor subclass.)"""
+    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch.overrides.has_torch_function(tensors))

@@ -136,20 +136,46 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
                        return_a: bool) -> tuple[Tensor, list[Tensor]]:
     """(A gathered, [A gathered @ b for b in bs]). The gathered A always comes back (the backward
     needs it); gradients flow into it only with ``return_a``."""
-    dim = _checked_gather(a_shard, bs, gather_dim)
     group = group_by_name(group_name)
     backend = _tdist_backend(group)
+    issued = backend.fused_all_gather_matmul(a_shard, bs, gather_dim, return_a, True)
+    if issued is not None:  # (a signature that ran before: issued from C++, csrc/fused_calls.cpp)
+        return issued
+    dim = _checked_gather(a_shard, bs, gather_dim)
     _ordered(backend, a_shard)
     state = state_of(backend.executor)
+    served = []  # the way each call of the op made here ran: the last one made the result
 
     def sequential():
         a_full = _all_gather(a_shard, dim, group)
+        served.append("sequential")
         return a_full, [torch.matmul(a_full, b) for b in bs]
+
+    def overlapped(way):
+        result = _overlapped_all_gather_matmul(a_shard, bs, backend, state, group.size(), way, dim)
+        served.append(way if result is not None else None)
+        return result
+    state.replays.last = None
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, tuning.rows_class(a_shard), a_shard.shape[-1])
-    return tuning.run(group, state, key, sequential,
-                      lambda way: _overlapped_all_gather_matmul(a_shard, bs, backend, state, group.size(), way, dim),
-                      width=sum(b.shape[-1] for b in bs))
+    result = tuning.run(group, state, key, sequential, overlapped, width=sum(b.shape[-1] for b in bs))
+    _remember(backend, state, "all_gather_matmul", served, a_shard, bs, dim, int(return_a))
+    return result
+
+
+def _remember(backend, state, op: str, served: list, a: Tensor, bs: list[Tensor], dim: int, flag: int):
+    """Let C++ issue later calls of this signature the way this one ran (the sequential way, or
+    the pipelined way's recorded program), unless it ran inside a CUDA graph capture (where
+    tuning waits) or another way (fused) served it."""
+    if not served or (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
+    way, last = served[-1], state.replays.last
+    if way == "sequential":
+        backend.remember_fused(op, a, bs, dim, flag, None, None, state, state.issued)
+    elif way is not None and way[0] == "pipelined" and last is not None:
+        program, roles = last
+        staging = roles[3] if op == "matmul_reduce_scatter" else None
+        backend.remember_fused(op, a, bs, dim, flag, program, staging, state, state.issued)
 
 
 def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, state, world: int, way: tuple,
@@ -214,14 +240,29 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
                            reduce_op: str) -> Tensor:
     group = group_by_name(group_name)
     backend = _tdist_backend(group)
+    issued = backend.fused_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, True)
+    if issued is not None:  # (a signature that ran before: issued from C++, csrc/fused_calls.cpp)
+        return issued
     world = group.size()
     dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
     _ordered(backend, a)
     state = state_of(backend.executor)
+    served = []  # the way each call of the op made here ran: the last one made the result
+
+    def sequential():
+        served.append("sequential")
+        return _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group)
+
+    def overlapped(way):
+        result = _overlapped_matmul_reduce_scatter(a, b, backend, state, world, reduce_op, way, dim)
+        served.append(way if result is not None else None)
+        return result
+    state.replays.last = None
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), b.shape[1])
-    return tuning.run(group, state, key, lambda: _reduce_scatter(torch.matmul(a, b), dim, reduce_op, group),
-                      lambda way: _overlapped_matmul_reduce_scatter(a, b, backend, state, world, reduce_op, way, dim))
+    result = tuning.run(group, state, key, sequential, overlapped)
+    _remember(backend, state, "matmul_reduce_scatter", served, a, [b], dim, list(REDUCE_OPS).index(reduce_op))
+    return result
 
 
 def _overlapped_matmul_reduce_scatter(a: Tensor, b: Tensor, backend, state, world: int, reduce_op: str,

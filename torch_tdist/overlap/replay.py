@@ -20,6 +20,7 @@ from ..collectives.base import LAUNCH_ROLE_PTR
 # 41 us as a graph (and 622 -> 549 us on the GPU).
 PROGRAM_GRAPHS = 0 if language.INTERPRET else 64
 CAPTURE_PAYBACK = 8
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")  # (the order of _C.FusedCounts' entries)
 
 
 def _fp32_matmul_precision() -> str:
@@ -32,21 +33,38 @@ def _fp32_matmul_precision() -> str:
 class ProgramReplay:
     """One group's recorded programs, their CUDA graphs and the scratch memory they use."""
 
-    def __init__(self, executor):
+    def __init__(self, executor, issued):
         self.executor = executor
+        self.issued = issued  # the calls C++ issued (OverlapState.issued)
         self.programs = {}  # key -> recorded StreamProgram, or False (cannot be)
         # CUDA graphs of recorded programs by their roles' addresses (run_program), most recent
         # last; the addresses they were replayed at once
         self.graphs, self.addresses = collections.OrderedDict(), collections.OrderedDict()
         self._graph_stream = self._graph_pool = None
         self.captures = 0
-        self.graph_calls = 0  # pipelined calls replayed as a CUDA graph
-        self.replayed_calls = collections.Counter()  # pipelined calls C++ replayed (recorded), by op
+        self._graph_calls = 0  # pipelined calls replayed as a CUDA graph from Python
+        self._replayed_calls = collections.Counter()  # pipelined calls replayed from Python, by op
         self._scratch_buffers = {}  # dtype -> scratch's memory
+        self.last = None  # (program, roles) of the last call that ran or recorded one, else None
+
+    @property
+    def graph_calls(self) -> int:
+        """Pipelined calls replayed as a CUDA graph (from Python or C++)."""
+        return self._graph_calls + sum(self.issued.graph)
+
+    @property
+    def replayed_calls(self) -> collections.Counter:
+        """Pipelined calls replayed from their recorded program, by op (from Python or C++)."""
+        issued = self.issued
+        return self._replayed_calls + collections.Counter(
+            {op: issued.program[i] + issued.graph[i] for i, op in enumerate(OPS)})
 
     def close(self):
+        for (_, *addresses), (_, program) in self.graphs.items():
+            program.drop_graph(addresses)
         self.graphs.clear()
         self._scratch_buffers.clear()
+        self.last = None
 
     def scratch(self, like: torch.Tensor, numel: int) -> torch.Tensor:
         """``numel`` elements of ``like``'s dtype and device, the same memory from call to call
@@ -71,8 +89,10 @@ class ProgramReplay:
                _fp32_matmul_precision() if roles[0].dtype == torch.float32 else None)
         program = self.programs.get(key)
         executor = self.executor
+        self.last = None
         if program:
             self._replay(op, program, roles)
+            self.last = (program, roles)
             return
         streams = executor.bulk.streams
         record = program is None and executor.heap.device.type == "cuda" and not executor.checks_calls
@@ -83,10 +103,11 @@ class ProgramReplay:
         finally:
             streams.recording = None
         if record:
-            self.programs[key] = self._stream_program(steps, roles) or False
+            program = self.programs[key] = self._stream_program(steps, roles) or False
+            self.last = (program, roles) if program else None
 
     def _replay(self, op: str, program, roles: list[torch.Tensor]):
-        self.replayed_calls[op] += 1
+        self._replayed_calls[op] += 1
         self.executor.run_unplanned(op, lambda: self.run_program(program, roles))
 
     def run_program(self, program, roles: list[torch.Tensor]):
@@ -98,22 +119,26 @@ class ProgramReplay:
             program.run(roles)
             return
         where = (id(program), *(t.data_ptr() for t in roles))
-        graph = self.graphs.get(where)
+        graph = self.graphs.get(where, (None,))[0]
         if graph is None and where not in self.addresses:
             self.addresses[where] = None
             while len(self.addresses) > 4 * PROGRAM_GRAPHS:
                 self.addresses.popitem(last=False)
         elif graph is None and (self.captures < PROGRAM_GRAPHS
                                 or self.graph_calls >= CAPTURE_PAYBACK * self.captures):
-            graph = self.graphs[where] = self._capture(program, roles)
+            graph = self._capture(program, roles)
+            self.graphs[where] = (graph, program)
+            # C++ launches it for the calls it issues at these addresses (csrc/fused_calls.cpp)
+            program.add_graph(list(where[1:]), graph.raw_cuda_graph_exec(), graph)
             while len(self.graphs) > PROGRAM_GRAPHS:
-                self.graphs.popitem(last=False)
+                (_, *addresses), (_, dropped) = self.graphs.popitem(last=False)
+                dropped.drop_graph(addresses)
         if graph is None:
             program.run(roles)
             return
         self.graphs.move_to_end(where)
         graph.replay()
-        self.graph_calls += 1
+        self._graph_calls += 1
 
     def _capture(self, program, roles: list[torch.Tensor]):
         """``program`` on ``roles`` as a CUDA graph (nothing runs yet)."""

@@ -7,20 +7,35 @@ import collections
 
 import torch
 
-from .replay import ProgramReplay
+from .. import _C
+from .replay import OPS, ProgramReplay
 from .tuning import Tuning
 
 
 class OverlapState:
     """The overlap ops' context for one group: its executor (used only through the interface the
     package docstring lists), the shape classes tuned (``tuning``), the recorded programs and
-    their CUDA graphs (``replays``) and ``fused_calls``: calls the overlapped ways served, by op."""
+    their CUDA graphs (``replays``) and ``fused_calls``: calls the overlapped ways served, by op.
+    ``issued``: the calls the C++ backend issued (``csrc/fused_calls.cpp``), by way."""
 
     def __init__(self, executor):
         self.executor = executor
         self.tuning = Tuning()
-        self.replays = ProgramReplay(executor)
-        self.fused_calls = collections.Counter()
+        self.issued = _C.FusedCounts()
+        self.replays = ProgramReplay(executor, self.issued)
+        self._fused_calls = collections.Counter()
+
+    @property
+    def fused_calls(self) -> collections.Counter:
+        """Calls the overlapped ways served, by op: in Python and issued from C++."""
+        issued = self.issued
+        return self._fused_calls + collections.Counter(
+            {op: issued.program[i] + issued.graph[i] for i, op in enumerate(OPS)})
+
+    def replay_program(self, op: str, program, roles: list[torch.Tensor]):
+        """A recorded program's call that C++ issued where it has no CUDA graph at ``roles``'
+        addresses: ``ProgramReplay.run_program``, which may capture one."""
+        self.executor.run_unplanned(op, lambda: self.replays.run_program(program, roles))
 
     def rounds(self, op: str, a: torch.Tensor, rows: int, row_len: int, pulled: bool = False,
                most_rows: int | None = None):
@@ -36,7 +51,7 @@ class OverlapState:
         per_round = min(per_round, most_rows or per_round)
         if per_round == 0:
             return None
-        self.fused_calls[op] += 1
+        self._fused_calls[op] += 1
         return [(row0, min(per_round, rows - row0)) for row0 in range(0, rows, per_round)]
 
     def close(self):
