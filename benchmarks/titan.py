@@ -7,7 +7,10 @@
 
 bench: an 8B-shaped llama3 with fewer layers, TP over every GPU, bf16, compiled, the
 configurations one after another: NCCL without async TP, NCCL with torch's async TP, tdist
-without and with async TP. Tokens/s is the TP group's (tokens of
+without and with async TP, and ``bound``: tdist with every collective returning at once
+(``torch_tdist.titan --no-communication``: the step time with free communication, wrong values).
+``recovered``: the part of the gap between NCCL and the bound that tdist's async TP closes,
+(NCCL's step time - tdist's) / (NCCL's - the bound's). Tokens/s is the TP group's (tokens of
 a step over the step's time), the median over torchtitan's log windows (BENCH_LOG_FREQ steps,
 its default: it syncs the host at each logged step) after the first WARMUP steps (compiling,
 tuning); writes ``titan_<machine>.json``.
@@ -48,20 +51,21 @@ PROFILED_STEP = 10  # profile: the step traced
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?tps:\s*([\d,]+)")
 STATS_LINE = re.compile(r"\[torch_tdist\.titan\] rank 0: (.*)")
 
-BENCH_CONFIGS = {  # name: (backend, async TP)
-    "nccl": ("nccl", False),
-    "nccl_async_tp": ("nccl", True),
-    "tdist": ("tdist", False),  # (tdist's collectives alone, for diagnosis)
-    "tdist_async_tp": ("tdist", True),
+BENCH_CONFIGS = {  # name: (backend, async TP, the launcher's flags)
+    "nccl": ("nccl", False, []),
+    "nccl_async_tp": ("nccl", True, []),
+    "tdist": ("tdist", False, []),  # (tdist's collectives alone, for diagnosis)
+    "tdist_async_tp": ("tdist", True, []),
+    "bound": ("tdist", False, ["--no-communication"]),
 }
 
 
 def run_titan(backend: str, async_tp: bool, flags: list[str], nproc: int, log_path: str, env: dict | None = None,
-              log_freq: int = 1):
+              log_freq: int = 1, launcher_flags: list[str] = ()):
     """One torchtitan job; returns (steps {logged step: (loss, tps over the steps since the last
     logged one)}, rank 0's tdist stats line, exit code)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "torch_tdist.titan", "--backend", backend, "--stats",
+               "-m", "torch_tdist.titan", "--backend", backend, "--stats", *launcher_flags,
                "--parallelism.tensor_parallel_degree", str(nproc), "--parallelism.data_parallel_shard_degree", "1",
                "--compile.enable", "--activation_checkpoint.mode", "none", "--metrics.log_freq", str(log_freq),
                "--metrics.disable_color_printing", "--checkpoint.no-enable", "--training.dataset", "synthetic",
@@ -96,7 +100,7 @@ def _configs(args) -> list[str]:
 
 def _env(args, name: str) -> dict:
     """The configuration's environment: the --tdist-env settings (K=V), for tdist's runs."""
-    backend, _ = BENCH_CONFIGS[name]
+    backend, _, _ = BENCH_CONFIGS[name]
     return dict(kv.split("=", 1) for kv in args.tdist_env) if backend == "tdist" else {}
 
 
@@ -111,10 +115,10 @@ def bench(args):
     errors = {}
     for repeat in range(args.repeat):  # round robin: a drift of the machine touches every configuration
         for name in names:
-            backend, async_tp = BENCH_CONFIGS[name]
+            backend, async_tp, launcher_flags = BENCH_CONFIGS[name]
             log = os.path.join(args.out, f"titan_{name}{f'_{repeat}' if args.repeat > 1 else ''}.log")
             steps, stats, code = run_titan(backend, async_tp, flags, args.nproc, log, _env(args, name),
-                                           BENCH_LOG_FREQ)
+                                           BENCH_LOG_FREQ, launcher_flags)
             # torchtitan's tps: a window's tokens / (its time x TP degree)
             windows = [tps * args.nproc for step, (_, tps) in sorted(steps.items()) if step > WARMUP]
             if code or not windows:
@@ -130,8 +134,8 @@ def bench(args):
             continue
         windows = [w for run_windows, _, _ in runs[name] for w in run_windows]
         tokens_per_s = statistics.median(windows)
-        rows.append({"config": name, "env": _env(args, name),
-                     "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * args.seq / tokens_per_s, 1),
+        rows.append({"config": name, "flavor": args.flavor, "env": _env(args, name),
+                     "tokens_per_s": round(tokens_per_s, 1), "runs": len(runs[name]), "step_ms": round(1e3 * args.seq / tokens_per_s, 1),
                      "final_loss": runs[name][-1][1], "steps_timed": len(windows) * BENCH_LOG_FREQ,
                      "run_tokens_per_s": [round(statistics.median(w), 1) for w, _, _ in runs[name]],
                      "window_tokens_per_s": [w for w, _, _ in runs[name]], "tdist_stats": runs[name][-1][2],
@@ -143,6 +147,9 @@ def bench(args):
         if "tdist_async_tp" in by_name and base in by_name:
             ratios[f"tdist_async_tp_over_{base}"] = round(
                 by_name["tdist_async_tp"]["tokens_per_s"] / by_name[base]["tokens_per_s"], 3)
+    if {"nccl", "tdist_async_tp", "bound"} <= set(by_name):
+        nccl, tdist, bound = (by_name[n]["step_ms"] for n in ("nccl", "tdist_async_tp", "bound"))
+        ratios["recovered"] = round((nccl - tdist) / (nccl - bound), 3) if nccl != bound else None
     print("ratios", ratios, flush=True)
     write_result(args.out, "titan", args.nproc, rows=rows, versions=_versions(), ratios=ratios,
                  method=(f"torchtitan 0.2.2 llama3 {args.flavor}, TP={args.nproc}, seq {args.seq}, local batch 1, "
@@ -186,11 +193,12 @@ def profile(args):
              "--profiling.profile_freq", str(PROFILED_STEP)]
     rows = []
     for name in _configs(args):
-        backend, async_tp = BENCH_CONFIGS[name]
+        backend, async_tp, launcher_flags = BENCH_CONFIGS[name]
         folder = f"/tmp/titan_{backend}"
         shutil.rmtree(os.path.join(folder, "profile_traces"), ignore_errors=True)
         steps, stats, code = run_titan(backend, async_tp, flags, args.nproc,
-                                       os.path.join(args.out, f"titan_profile_{name}.log"), _env(args, name))
+                                       os.path.join(args.out, f"titan_profile_{name}.log"), _env(args, name),
+                                       launcher_flags=launcher_flags)
         traces = sorted(glob.glob(os.path.join(folder, "profile_traces", "iteration_*", "rank*_trace.json")))
         if code or not traces:
             rows.append({"config": name, "error": f"exit code {code}, {len(traces)} traces"})
@@ -204,9 +212,27 @@ def profile(args):
 
 
 COMM_KINDS = ("nccl", "tdist", "copy")
-TDIST_COMM_KERNELS = {"oneshot_kernel", "gather_chunks_kernel", "hierarchical_all_gather_kernel", "publish_kernel",
-                      "pull_copy_kernel", "pull_reduce_kernel", "reduce_chunks_kernel", "wait_peers_kernel"}
-TDIST_FUSED_KERNELS = {"ag_gemm_kernel", "gemm_rs_kernel"}  # (triton_kernels/)
+
+
+def tdist_kernels() -> tuple[set, set]:
+    """(communication kernels, fused kernels): every Triton kernel of torch_tdist.triton_kernels by
+    name, as traces name them; those of its ``overlap`` module are the fused ones (they compute
+    while they communicate), every other one moves data between ranks."""
+    import importlib
+    import pkgutil
+
+    import torch_tdist.triton_kernels as package
+
+    comm, fused = set(), set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        # (a Triton kernel, compiled or interpreted, has its arguments' names; device functions too,
+        # but they do not appear in traces by their own name)
+        names = {name for name, value in vars(module).items()
+                 if getattr(value, "arg_names", None) is not None
+                 and getattr(getattr(value, "fn", None), "__module__", None) == module.__name__}
+        (fused if info.name == "overlap" else comm).update(names)
+    return comm, fused
 
 
 def kernel_breakdown(trace_paths: list[str]) -> dict:
@@ -221,6 +247,7 @@ def kernel_breakdown(trace_paths: list[str]) -> dict:
         return events, [(e["ts"], e["ts"] + e["dur"], e["name"], e.get("cat")) for e in events
                         if e.get("cat") in ("kernel", "gpu_memcpy")]
 
+    tdist_comm, tdist_fused = tdist_kernels()
     loaded = [load(p) for p in trace_paths]
     ranks = [gpu for _, gpu in loaded]
     host = collections.defaultdict(list)  # rank 0's host calls that wait for the GPU, and tdist's and c10d's ops
@@ -261,9 +288,9 @@ def kernel_breakdown(trace_paths: list[str]) -> dict:
             return "copy" if "ptop" in low else "other"  # (peer copies are tdist's pulls and pushes)
         if "nccl" in low:
             return "nccl"
-        if name in TDIST_COMM_KERNELS:
+        if name in tdist_comm:
             return "tdist"
-        if name in TDIST_FUSED_KERNELS:
+        if name in tdist_fused:
             return "fused"  # (computes while it communicates: counted with the computation)
         if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "matmul", "_mm_")):
             return "matmul"

@@ -30,6 +30,9 @@ std::optional<CallPlan> ProcessGroupTDist::execute(
     Op op,
     const char* method,
     Args&&... args) {
+  if (!communicate_) {
+    return std::nullopt;
+  }
   py::gil_scoped_acquire gil;
   try {
     py::object plan =
@@ -51,6 +54,9 @@ void ProcessGroupTDist::executePlanned(
     Op op,
     const char* method,
     Args&&... args) {
+  if (!communicate_) {
+    return;
+  }
   if (!input.is_cpu() && LaunchPlan::fits(input) && LaunchPlan::fits(output)) {
     std::lock_guard<std::mutex> lock(plansMutex_);
     auto it = plans_.find(key);
@@ -94,6 +100,9 @@ WorkPtr ProcessGroupTDist::handOver(
     const CallOptions& opts,
     size_t n,
     Call call) {
+  if (!communicate_) {
+    return finishWork(startWork(op, type, inputs, outputs, opts.asyncOp), op, n, Route::Fallback);
+  }
   const auto& ref = inputs.empty() ? outputs.at(0) : inputs[0];
   auto& backend = fallbackFor(op, ref.device().type());
   if (!ref.is_cuda()) {

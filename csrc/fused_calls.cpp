@@ -88,6 +88,15 @@ at::Tensor fromRows(at::Tensor rows, std::vector<int64_t> shape, int64_t dim) {
   return rowMajor(rows);
 }
 
+// What torch.distributed does with a synchronous call's Work (a fallback backend may still
+// return one that is not done: Gloo's for CPU tensors).
+void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work) {
+    py::gil_scoped_release released;
+    work->wait();
+  }
+}
+
 std::vector<at::Tensor> together(const at::Tensor& a, const std::vector<at::Tensor>& bs) {
   std::vector<at::Tensor> all{a};
   all.insert(all.end(), bs.begin(), bs.end());
@@ -118,7 +127,7 @@ std::vector<int64_t> ProcessGroupTDist::fusedKey(
   return key;
 }
 
-const ProcessGroupTDist::FusedPlan* ProcessGroupTDist::fusedPlan(
+std::optional<ProcessGroupTDist::FusedPlan> ProcessGroupTDist::fusedPlan(
     int op,
     const at::Tensor& a,
     const std::vector<at::Tensor>& bs,
@@ -126,28 +135,36 @@ const ProcessGroupTDist::FusedPlan* ProcessGroupTDist::fusedPlan(
     int64_t flag,
     bool belowAutograd) const {
   if (fusedPlans_.empty() || bs.empty() || !plain(a) || a.dim() < 2) {
-    return nullptr;
+    return std::nullopt;
   }
   // float32 matmuls follow the TF32 setting of the moment (Python keys its programs on it)
   if (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf) {
-    return nullptr;
+    return std::nullopt;
   }
   if (at::autocast::is_autocast_enabled(a.device().type()) ||
       c10::impl::TorchDispatchModeTLS::any_modes_set()) {
-    return nullptr;
+    return std::nullopt;
   }
   bool grad = !belowAutograd && at::GradMode::is_enabled();
   for (const auto& t : together(a, bs)) {
     if (!plain(t) || t.device() != a.device() || t.scalar_type() != a.scalar_type() ||
-        (grad && t.requires_grad())) {
-      return nullptr;
+        (grad && t.requires_grad()) || t._fw_grad(/*level=*/0).defined()) {
+      return std::nullopt; // (a dual tensor's tangent needs the custom op's forward-mode rule)
     }
   }
   if (dim < -a.dim() || dim >= a.dim()) {
-    return nullptr;
+    return std::nullopt;
   }
   auto found = fusedPlans_.find(fusedKey(op, a, bs, dim < 0 ? dim + a.dim() : dim, flag));
-  return found == fusedPlans_.end() ? nullptr : &found->second;
+  if (found == fusedPlans_.end()) {
+    return std::nullopt;
+  }
+  // the program's way runs as Python's outside CUDA graph captures only (a capture gets its own
+  // scratch there, and the steps rather than a graph)
+  if (found->second.program && a.is_cuda() && captureId(currentStream(a.device())) != 0) {
+    return std::nullopt;
+  }
+  return found->second; // (a copy: Python may run, and change the plans, while it is used)
 }
 
 void ProcessGroupTDist::rememberFused(
@@ -171,26 +188,30 @@ void ProcessGroupTDist::rememberFused(
   plan.state = std::make_shared<GilSafeObject>(state);
   if (staging) {
     plan.staging = *staging;
+    // ProgramReplay.scratch grew into new memory: plans still holding the old one would keep it
+    // (they record again, with the new one, on their next call)
+    const void* now = staging->storage().data();
+    for (auto it = fusedPlans_.begin(); it != fusedPlans_.end();) {
+      const auto& old = it->second.staging;
+      bool stale = old.defined() && old.scalar_type() == staging->scalar_type() &&
+          old.device() == staging->device() && old.storage().data() != now;
+      it = stale ? fusedPlans_.erase(it) : std::next(it);
+    }
   }
   plan.counts = std::move(counts);
   fusedPlans_[fusedKey(index, a, bs, dim < 0 ? dim + a.dim() : dim, flag)] = std::move(plan);
-}
-
-void ProcessGroupTDist::forgetFused() {
-  fusedPlans_.clear();
 }
 
 void ProcessGroupTDist::checkFusedOpen(const char* op) const {
   checkNotAborted(op);
   // Executor._begin's check (an attribute, read without a Python call)
   py::object stopped = py::getattr(executor_.get(), "_stopped", py::none());
-  TORCH_CHECK(
-      stopped.is_none(),
-      "tdist ",
-      op,
-      ": this group stopped after ",
-      py::str(stopped).cast<std::string>(),
-      "; destroy it and create a new one");
+  if (!stopped.is_none()) { // (what the collectives raise then: their Python error, as C++ maps it)
+    C10_THROW_ERROR(
+        DistBackendError,
+        std::string("tdist ") + op + ": this group stopped after " +
+            py::str(stopped).cast<std::string>() + "; destroy it and create a new one");
+  }
 }
 
 void ProcessGroupTDist::runProgram(
@@ -199,11 +220,16 @@ void ProcessGroupTDist::runProgram(
     const std::vector<at::Tensor>& roles) {
   const char* name = kFusedOps[op];
   auto device = roles[0].device().index();
-  orderQueued(device);
   try {
     auto program = plan.program->get();
-    if (captureId(currentStream(roles[0].device())) == 0 &&
-        program.cast<StreamProgram*>()->runGraph(roles)) {
+    bool launched = false;
+    try {
+      launched = program.cast<StreamProgram*>()->runGraph(roles);
+    } catch (...) { // (as Executor.run_unplanned: peers may be left part-way)
+      executor_.get().attr("_stopped") = std::string(name) + " failed part-way (its CUDA graph)";
+      throw;
+    }
+    if (launched) {
       plan.counts->graph[op] += 1;
     } else {
       plan.state->get().attr("replay_program")(name, program, roles);
@@ -222,25 +248,25 @@ py::object ProcessGroupTDist::fusedAllGatherMatmul(
     int64_t dim,
     bool returnA,
     bool belowAutograd) {
-  const FusedPlan* plan = fusedPlan(0, a, bs, dim, returnA, belowAutograd);
-  if (plan == nullptr) {
+  auto plan = fusedPlan(0, a, bs, dim, returnA, belowAutograd);
+  if (!plan) {
     return py::none();
   }
   checkFusedOpen(kFusedOps[0]);
+  if (a.is_cuda()) { // (custom_ops._ordered: before anything of the call is queued)
+    orderQueued(a.device().index());
+  }
   dim = dim < 0 ? dim + a.dim() : dim;
   auto shape = a.sizes().vec();
   shape[dim] *= size_;
   if (!plan->program) { // custom_ops._all_gather, then torch.matmul
-    if (a.is_cuda()) {
-      orderQueued(a.device().index());
-    }
     auto rows = a.movedim(dim, 0).contiguous();
     auto sizes = rows.sizes().vec();
     sizes[0] *= size_;
     auto gathered = at::empty(sizes, rows.options());
     c10d::AllgatherOptions opts;
     opts.asyncOp = false;
-    _allgather_base(gathered, rows, opts);
+    waitFor(_allgather_base(gathered, rows, opts));
     auto aFull = rowMajor(gathered.movedim(0, dim));
     std::vector<at::Tensor> outs;
     for (const auto& b : bs) {
@@ -281,16 +307,16 @@ py::object ProcessGroupTDist::fusedMatmulReduceScatter(
     const std::string& reduceOp,
     bool belowAutograd) {
   int64_t flag = reduceOp == "sum" ? 0 : reduceOp == "avg" ? 1 : -1;
-  const FusedPlan* plan = flag < 0 ? nullptr : fusedPlan(1, a, {b}, dim, flag, belowAutograd);
-  if (plan == nullptr) {
+  auto plan = flag < 0 ? std::nullopt : fusedPlan(1, a, {b}, dim, flag, belowAutograd);
+  if (!plan) {
     return py::none();
   }
   checkFusedOpen(kFusedOps[1]);
+  if (a.is_cuda()) { // (custom_ops._ordered: before anything of the call is queued)
+    orderQueued(a.device().index());
+  }
   dim = dim < 0 ? dim + a.dim() : dim;
   if (!plan->program) { // torch.matmul, then custom_ops._reduce_scatter
-    if (a.is_cuda()) {
-      orderQueued(a.device().index());
-    }
     auto rows = at::matmul(a, b).movedim(dim, 0).contiguous();
     auto sizes = rows.sizes().vec();
     sizes[0] /= size_;
@@ -298,7 +324,7 @@ py::object ProcessGroupTDist::fusedMatmulReduceScatter(
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = flag == 0 ? c10d::ReduceOp::SUM : c10d::ReduceOp::AVG;
     opts.asyncOp = false;
-    _reduce_scatter_base(out, rows, opts);
+    waitFor(_reduce_scatter_base(out, rows, opts));
     plan->counts->sequential[1] += 1;
     return py::cast(rowMajor(out.movedim(0, dim)));
   }

@@ -99,7 +99,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("counts"),
           "Issue later calls of this signature from C++: the sequential way "
           "(program None) or the recorded StreamProgram.")
-      .def("forget_fused", &ProcessGroupTDist::forgetFused)
       .def(
           "stats",
           &ProcessGroupTDist::stats,
@@ -117,6 +116,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("served_from") = -1,
           "GPU calls of `op` larger than `max_bytes` (-1: any) and smaller "
           "than `served_from` (-1: any) go to the fallback")
+      .def(
+          "set_communication",
+          &ProcessGroupTDist::setCommunication,
+          py::arg("on"),
+          "False: every call returns at once, nothing moved (measurements of the step time "
+          "with free communication)")
       .def(
           "set_gpu_uneven_all_to_all",
           &ProcessGroupTDist::setGpuUnevenAllToAll,

@@ -666,6 +666,9 @@ void ProcessGroupTDist::executeUneven(
     const std::vector<int64_t>& inSplits,
     const std::vector<int64_t>& outSplits) {
   constexpr Op op = Op::AllToAllSingle;
+  if (!communicate_) {
+    return;
+  }
   // send offsets | send counts | recv offsets | recv counts, as the executor's _exchange
   std::vector<int64_t> table(4 * size_);
   int64_t rowIn = rowNumel(input), rowOut = rowNumel(output), most = 0;

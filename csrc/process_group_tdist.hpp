@@ -265,7 +265,6 @@ class ProcessGroupTDist : public c10d::Backend {
       std::optional<at::Tensor> staging,
       py::object state,
       std::shared_ptr<FusedCounts> counts);
-  void forgetFused();
 
   // GPU calls of `opName` whose message is larger than `maxBytes` (-1: no
   // limit) and smaller than `servedFrom` (-1: any larger one) go to the
@@ -276,6 +275,12 @@ class ProcessGroupTDist : public c10d::Backend {
       int64_t maxBytes,
       int64_t servedFrom);
   void setGpuUnevenAllToAll(bool served);
+  // false: every call of the group returns at once, its work ordered and counted but nothing
+  // moved (outputs untouched): the step time with free communication, for measurements only
+  // (the backend option "communication").
+  void setCommunication(bool on) {
+    communicate_ = on;
+  }
   void resetStats();
 
   py::object executor() const {
@@ -415,6 +420,7 @@ class ProcessGroupTDist : public c10d::Backend {
   std::array<int64_t, kNumOps> gpuServedFrom_;
   mutable c10::DeviceIndex gpuIndex_ = -1;  // the group's GPU; see checkGpu
   bool gpuUnevenAllToAll_ = true;
+  bool communicate_ = true; // setCommunication
   bool tearDownOnTimeout_ = true; // the executor's tear_down_on_timeout, if it has one (TDIST_ASYNC_ERROR_HANDLING)
   std::optional<c10::Stream> commStream_; // the group's stream on its GPU
   // The group's last GPU call, where it ran and its end: a call on another
@@ -461,7 +467,7 @@ class ProcessGroupTDist : public c10d::Backend {
       const std::vector<at::Tensor>& bs,
       int64_t dim,
       int64_t flag) const;
-  const FusedPlan* fusedPlan(
+  std::optional<FusedPlan> fusedPlan(
       int op,
       const at::Tensor& a,
       const std::vector<at::Tensor>& bs,

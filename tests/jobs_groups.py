@@ -224,3 +224,42 @@ def backend_string_groups(rank, ws, backend, seed):
     check_default_group(chk, seed)
     chk.done()
     return diffs
+
+
+def no_communication(rank, ws, backend, seed):
+    """A group made with the backend option communication=False (the bound of a training step
+    with free communication): its collectives return at once leaving their outputs as they were,
+    and count as calls; torch_tdist.ops run sequentially on what the untouched outputs hold; bad
+    input still raises; a group made without the option after it communicates as usual."""
+    import torch_tdist
+
+    chk = Checker(rank, "no communication")
+    free = dist.new_group(backend="tdist", pg_options={"communication": False})
+    gen = rank_gen(seed, rank)
+    x = torch.randn(64, generator=gen)
+    mine = x.clone()
+    dist.all_reduce(x, group=free)
+    chk.equal(x, mine, "all_reduce leaves the tensor as it was")
+    out = torch.full((64 * ws,), 7.0)
+    all_gather_single(out, mine, group=free)
+    chk.equal(out, torch.full((64 * ws,), 7.0), "all_gather leaves its output as it was")
+    a2a = torch.full((64,), 3.0)
+    dist.all_to_all_single(a2a, mine, group=free)
+    chk.equal(a2a, torch.full((64,), 3.0), "all_to_all_single leaves its output as it was")
+    dist.barrier(group=free)
+    chk.true(torch_tdist.stats(free)["all_reduce"]["tdist"] == 1, "counted", str(torch_tdist.stats(free)))
+    a, b = torch.randn(4 * ws, 8, generator=gen), torch.randn(8, 5, generator=gen)
+    got = torch_tdist.ops.matmul_reduce_scatter(a, b, group=free)  # (values: whatever the output held)
+    chk.true(tuple(got.shape) == (4, 5) and got.dtype == a.dtype, "matmul_reduce_scatter", str(got.shape))
+    got = torch_tdist.ops.all_gather_matmul(a, b, group=free)
+    chk.true(tuple(got.shape) == (4 * ws * ws, 5), "all_gather_matmul", str(got.shape))
+    try:
+        all_gather_single(torch.empty(3), mine, group=free)
+        chk.true(False, "bad input", "no error")
+    except ValueError as err:
+        chk.true("all_gather" in str(err), "bad input", str(err))
+    usual = dist.new_group(backend="tdist")
+    y = torch.full((4,), float(rank + 1))
+    dist.all_reduce(y, group=usual)
+    chk.equal(y, torch.full((4,), float(sum(range(1, ws + 1)))), "a group without the option communicates")
+    chk.done()

@@ -37,3 +37,12 @@ def test_a_bad_value_names_where_it_came_from(monkeypatch):
     monkeypatch.delenv("TDIST_ALGORITHM")
     with pytest.raises(ValueError, match="streamed_step_blocks"):
         Config.from_options({"streamed_step_blocks": 0}, choices=CHOICES)
+
+
+def test_no_communication_runs_the_ops_sequentially(monkeypatch):
+    monkeypatch.setenv("TDIST_OVERLAP", "pipelined")
+    config = Config.from_options({"communication": False}, choices=CHOICES)
+    assert (config.communication, config.overlap) == (False, "sequential")
+    assert Config.from_options(None, choices=CHOICES).communication is True
+    with pytest.raises(ValueError, match="communication"):
+        Config.from_options({"communication": "sometimes"}, choices=CHOICES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests import jobs_collectives as JC
 from tests import jobs_groups as J
-from tests.helpers import assert_served_by_tdist, skip_unless_tdist, ws_param
+from tests.helpers import assert_served_by_tdist, skip_on, skip_unless_tdist, ws_param
 
 SUITE = J.SUITE_OPS + J.ROOTED_OPS
 
@@ -43,3 +43,11 @@ def test_backend_string_groups(pool, world_size, backend, seed):
 def test_default_group_after_subgroups(pool4, seed):
     """Runs after the subgroup tests on the same processes."""
     pool4.run(JC.back_to_back, seed)
+
+
+@skip_on("gloo", "the backend option communication is tdist's")
+@ws_param([2])
+def test_no_communication_option(pool, seed):
+    """communication=False: calls return at once, outputs untouched (the bound of a step with
+    free communication); groups without the option communicate."""
+    pool.run(J.no_communication, "tdist", seed)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["register", "stats", "reset_stats", "get_executor", "set_executor_factory"]
+__all__ = ["register", "stats", "reset_stats", "get_executor", "set_executor_factory", "set_default_options"]
 
 BACKEND_NAME = "tdist"
 DEVICES = ["cpu", "cuda"]
@@ -106,8 +106,22 @@ def _make_fallbacks(dist_opts, devices: list[str]) -> dict[str, dist.Backend]:
     return fallbacks
 
 
+def set_default_options(options: dict | None) -> dict | None:
+    """Backend options for the tdist groups created from now on without ``pg_options`` (the
+    groups a framework makes itself: torch_tdist.titan's ``--no-communication``). ``None``
+    restores none. Returns the previous ones."""
+    global _default_options
+    previous, _default_options = _default_options, (dict(options) if options else None)
+    return previous
+
+
+_default_options: dict | None = None
+
+
 def _create_backend(dist_opts, backend_options):
     """The extended-API creator c10d calls once per group."""
+    if backend_options is None:
+        backend_options = _default_options
     store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
     devices = list(dist.Backend.backend_capability.get(BACKEND_NAME, DEVICES))
@@ -118,6 +132,8 @@ def _create_backend(dist_opts, backend_options):
     for op, (max_bytes, served_from) in getattr(executor, "gpu_size_limits", {}).items():
         pg.set_gpu_size_limit(op, -1 if max_bytes is None else max_bytes, -1 if served_from is None else served_from)
     pg.set_gpu_uneven_all_to_all(getattr(executor, "gpu_uneven_all_to_all", True))
+    config = getattr(executor, "config", None)
+    pg.set_communication(getattr(config, "communication", True))
     return pg
 
 

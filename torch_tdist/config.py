@@ -25,6 +25,7 @@ Backend options only, for measurements (every rank of a group must give the same
 | ``streamed_step_blocks`` | ``1`` | blocks per step and program of the streamed kernel |
 | ``streamed_min_block_bytes`` | ``16384`` | the smallest block the streamed kernel cuts a short share into (a power of two) |
 | ``dependent_launch`` | ``True`` | ``False``: kernels are launched without programmatic dependent launch (they keep its wait instruction, which then returns at once) |
+| ``communication`` | ``True`` | ``False``: every call of the group returns at once, ordered and counted but moving nothing (outputs untouched, so results are wrong), and ``torch_tdist.ops`` run their sequential way: the time of a training step with free communication, the bound overlap aims at (``benchmarks/titan.py``'s ``bound``) |
 
 This module imports nothing of torch_tdist, so that every layer may use it.
 """
@@ -72,7 +73,7 @@ def parse_size(text: str, what: str = "TDIST_HEAP_SIZE") -> int:
 # The keys a group's backend options (pg_options) may hold.
 OPTION_KEYS = ("transport", "heap_size", "algorithm", "overlap", "async_error_handling", "check_calls",
                "gpu_kernels", "gpu_size_limits", "uneven_all_to_all", "bulk_push", "streamed_step_blocks",
-               "streamed_min_block_bytes", "dependent_launch")
+               "streamed_min_block_bytes", "dependent_launch", "communication")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Config:
     streamed_step_blocks: int = 1
     streamed_min_block_bytes: int = 16384
     dependent_launch: bool = True
+    communication: bool = True
 
     @classmethod
     def from_options(cls, options=None, *, choices: dict) -> "Config":
@@ -131,6 +133,9 @@ class Config:
         if not str(least).isdigit() or not low <= int(least) <= high or int(least) & (int(least) - 1):
             raise ValueError(f"tdist: {where}={least!r}; expected a power of two from {low} to {high}")
         overlap = _choice(*setting("overlap", "TDIST_OVERLAP", "auto"), choices["overlap"])
+        communication = _flag(*setting("communication", None, True))
+        if not communication:  # (the other ways move data themselves, past the backend's calls)
+            overlap = "sequential"
         check_calls = _flag(*setting("check_calls", "TDIST_CHECK_CALLS", False), lenient=True)
         gpu_kernels = _flag(*setting("gpu_kernels", "TDIST_GPU_KERNELS", True), lenient=True, on_unless_0=True)
         limits = _flag(*setting("gpu_size_limits", None, True), lenient=True, on_unless_0=True)
@@ -150,6 +155,7 @@ class Config:
             streamed_step_blocks=int(steps),
             streamed_min_block_bytes=int(least),  # ranks must agree on it (blocks are cut alike)
             dependent_launch=_flag(*setting("dependent_launch", None, True), lenient=True, on_unless_0=True),
+            communication=communication,
         )
 
 

@@ -10,10 +10,14 @@ Written for torchtitan 0.2.2 (the release for torch 2.11) on GPUs. Before the tr
   memory for the group, which torchtitan 0.2.2 leaves out (so that torch 2.11's pass fuses nothing);
 - adds the dataset ``synthetic`` (seeded random sentences, no download) and, unless
   ``--model.hf_assets_path`` is given, writes a small byte-level BPE tokenizer and uses it;
-- adds llama3 flavors ``8B_<n>L``: LLaMA-3-8B's shape (vocab 128256) with n layers, n = 1 to 8;
+- adds llama3 flavors ``8B_<n>L`` and ``70B_<n>L``: LLaMA-3-8B's and LLaMA-3-70B's shapes (dim 4096
+  and 8192, FFN 14336 and 28672, 32 and 64 heads, 8 KV heads, vocab 128256) with n layers, n = 1 to 8;
 - stands in for ``datasets`` and ``torch.utils.tensorboard`` where they are not installed (only
   the Hugging Face loaders and the TensorBoard writer need them).
 
+With ``--no-communication`` (``--backend tdist`` only, for measurements) every collective of the
+job's tdist groups returns at once, moving nothing (the backend option ``communication``): the
+step time with free communication, the bound overlap aims at; the losses are meaningless.
 With ``--stats`` every rank prints, at the end, the fused regions tdist ran, the overlapped calls
 of its TP group and the way tuning chose per shape class; ``--data-seed N`` seeds the sentences of
 the ``synthetic`` dataset.
@@ -39,8 +43,15 @@ def main(argv: list[str] | None = None) -> None:
     backend = _pop_option(argv, "--backend", "tdist")
     stats = _pop_flag(argv, "--stats")  # print what tdist served, once training ends
     data_seed = int(_pop_option(argv, "--data-seed", "0"))  # of the synthetic dataset's sentences
+    free = _pop_flag(argv, "--no-communication")
     if backend not in BACKENDS:
         raise SystemExit(f"torch_tdist.titan: --backend {backend}; expected one of {', '.join(BACKENDS)}")
+    if free and backend != "tdist":
+        raise SystemExit("torch_tdist.titan: --no-communication needs --backend tdist")
+    if free:
+        from .backend import set_default_options
+
+        set_default_options({"communication": False})
     if not any(a.split("=")[0] == "--model.hf_assets_path" for a in argv):
         argv += ["--model.hf_assets_path", write_tokenizer(os.path.join(_cache_dir(), "tokenizer"))]
     sys.argv = [sys.argv[0], *argv]  # before torchtitan is imported: its parser reads them then
@@ -50,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     # torchtitan's init_distributed picks the backend of its device type from this map
     dist.Backend.default_device_backend_map["cuda"] = backend
     _add_synthetic_dataset(data_seed)
-    _add_8b_flavors()
+    _add_flavors()
     _serve_async_tp()
 
     from torchtitan.train import Trainer, main as train
@@ -142,7 +153,7 @@ def _add_synthetic_dataset(data_seed: int = 0):
                                                         sample_processor=lambda sample: sample["text"])
 
 
-def _add_8b_flavors():
+def _add_flavors():
     import torchtitan.models.llama3 as llama3
     from torchtitan.models.llama3.model.args import TransformerModelArgs
 
@@ -150,6 +161,9 @@ def _add_8b_flavors():
         llama3.llama3_args.setdefault(f"8B_{layers}L", TransformerModelArgs(
             dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
             multiple_of=1024, rope_theta=500000))
+        llama3.llama3_args.setdefault(f"70B_{layers}L", TransformerModelArgs(  # (FFN 28672, as 70B's)
+            dim=8192, n_layers=layers, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+            multiple_of=4096, rope_theta=500000))
 
 
 def _serve_async_tp():

@@ -482,7 +482,7 @@ class Executor(LaunchPlans):
         return self._check_calls
 
     def run_unplanned(self, op: str, run):
-        """``run()``: work of ``op`` that is not one launch C++ could replay as the call's plan (a
+        """``run()``: work of ``op`` that is not launches C++ could replay as the call's plan (a
         recorded stream program); where it raises, the group stops (peers may be left part-way)."""
         self._replayable = False
         try:

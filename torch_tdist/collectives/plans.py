@@ -1,5 +1,5 @@
-"""Launch plans: a call's one launch as C++ replays it for the next call of the same shape
-(``csrc/device_path.hpp``, ``LaunchPlan``), and the recorded launches of the pipelined ops."""
+"""Call plans: a call's launches as C++ replays them for the next call of the same shape
+(``csrc/device_path.hpp``, ``CallPlan``), and the recorded launches of the pipelined ops."""
 
 from __future__ import annotations
 
@@ -27,15 +27,19 @@ class LaunchPlans:
         if table is not None:
             roles["tables"] = (table, LAUNCH_ROLE_PTR + 2)
 
-        def within(address, t):
-            return 0 <= address - t.data_ptr() <= t.numel() * t.element_size()
+        def within(value, t):
+            """Whether ``value`` points into ``t``'s bytes, in its own memory (a copy the
+            allocator placed right after it is not)."""
+            offset = value.data_ptr() - t.data_ptr()
+            return (value.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                    and 0 <= offset < max(t.numel() * t.element_size(), 1))
 
         def bind(name, value):
             if name not in roles:  # (a pointer into a call's tensor under another name: not replayable)
-                inside = any(within(value.data_ptr(), t) and t.numel() for t, _ in roles.values())
+                inside = any(t.numel() and within(value, t) for t, _ in roles.values())
                 return None if inside else (0, value.data_ptr())
             role, kind = roles[name]
-            if role.data_ptr() % 16 or not within(value.data_ptr(), role):
+            if role.data_ptr() % 16 or not role.is_contiguous() or not within(value, role):
                 return None  # a copy of the caller's tensor, or unaligned
             return kind, value.data_ptr() - role.data_ptr()
         plans = [self._launch_tuple(kernel, compiled, grid, args, meta, bind)

@@ -99,5 +99,6 @@ def _direct(*tensors) -> bool:
     (``csrc/fused_calls.cpp``) rather than through the custom op: not while torch.compile traces,
     nor under a torch function mode or for a tensor with ``__torch_function__``. (The backend
     itself refuses calls that need autograd, autocast, a dispatch mode or a tensor subclass.)"""
-    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-                or torch.overrides.has_torch_function(tensors))
+    return (all(isinstance(t, torch.Tensor) for t in tensors)
+            and not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                     or torch.overrides.has_torch_function(tensors)))

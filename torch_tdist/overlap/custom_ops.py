@@ -159,17 +159,22 @@ def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gathe
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
     key = ("all_gather_matmul", a_shard.dtype, tuning.rows_class(a_shard), a_shard.shape[-1])
     result = tuning.run(group, state, key, sequential, overlapped, width=sum(b.shape[-1] for b in bs))
-    _remember(backend, state, "all_gather_matmul", served, a_shard, bs, dim, int(return_a))
+    _remember(group, backend, state, "all_gather_matmul", served, a_shard, bs, dim, int(return_a))
     return result
 
 
-def _remember(backend, state, op: str, served: list, a: Tensor, bs: list[Tensor], dim: int, flag: int):
+def _remember(group, backend, state, op: str, served: list, a: Tensor, bs: list[Tensor], dim: int, flag: int):
     """Let C++ issue later calls of this signature the way this one ran (the sequential way, or
     the pipelined way's recorded program), unless it ran inside a CUDA graph capture (where
-    tuning waits) or another way (fused) served it."""
-    if not served or (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    tuning waits), another way (fused) served it, or the group's backend for ``a``'s device is
+    not ``backend`` itself (another backend for that device, or torch's debug wrapper, whose
+    checks C++ would skip)."""
+    way, last = (served[-1] if served else None), state.replays.last
+    state.replays.last = None  # (its tensors go with this call)
+    if way is None or (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return
-    way, last = served[-1], state.replays.last
+    if not isinstance(group._get_backend(a.device), type(backend)):
+        return
     if way == "sequential":
         backend.remember_fused(op, a, bs, dim, flag, None, None, state, state.issued)
     elif way is not None and way[0] == "pipelined" and last is not None:
@@ -259,9 +264,10 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
         return result
     state.replays.last = None
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
-    key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), b.shape[1])
+    # (K, the contracted size, is each rank's share of it: the same on every rank)
+    key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), a.shape[-1], b.shape[1])
     result = tuning.run(group, state, key, sequential, overlapped)
-    _remember(backend, state, "matmul_reduce_scatter", served, a, [b], dim, list(REDUCE_OPS).index(reduce_op))
+    _remember(group, backend, state, "matmul_reduce_scatter", served, a, [b], dim, list(REDUCE_OPS).index(reduce_op))
     return result
 
 
