@@ -38,12 +38,32 @@ def per_call(fn, n: int) -> float:
     return us
 
 
-def in_rounds(layers: dict, rounds: int, calls: int) -> dict:
-    times = {name: [] for name in layers}
+def in_rounds(layers: dict, rounds: int, calls: int, probe=None) -> tuple[dict, dict]:
+    """(layer -> its median round's host us per call, layer -> what ``probe()`` counted during
+    its loops: how the calls ran)."""
+    times, counted = {name: [] for name in layers}, {}
     for _ in range(rounds):
         for name, fn in layers.items():
+            before = probe() if probe else ()
             times[name].append(per_call(fn, calls))
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+            after = probe() if probe else ()
+            counted[name] = [sum(x) for x in zip(counted.get(name, [0] * len(after)),
+                                                 (a - b for a, b in zip(after, before)))]
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}, counted
+
+
+def issued_counts(groups: dict):
+    """A probe of how fused calls ran: per group, the calls C++ issued by way (sequential,
+    recorded program, CUDA graph) and the calls the overlapped ways served in Python."""
+    states = [torch_tdist.overlap.state(g) for g in groups.values()]
+
+    def probe():
+        counts = []
+        for st in states:
+            issued = (sum(st.issued.sequential), sum(st.issued.program), sum(st.issued.graph))
+            counts += [*issued, sum(st.fused_calls.values()) - issued[1] - issued[2]]
+        return tuple(counts)
+    return probe
 
 
 def fused_layers(groups: dict, world: int, device) -> dict:
@@ -115,15 +135,18 @@ def main():
     rank, world, device = start_job()
     groups = {policy: dist.new_group(backend="tdist", pg_options={"overlap": policy})
               for policy in ("sequential", "pipelined")}
-    fused = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls)
-    reduce = in_rounds(all_reduce_layers(groups["sequential"], device), args.rounds, 200)
+    fused, ways = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls, issued_counts(groups))
+    reduce, _ = in_rounds(all_reduce_layers(groups["sequential"], device), args.rounds, 200)
     print(f"{rank} {fused}", flush=True)  # (one write a line: ranks' lines stay whole)
+    print(f"{rank} how the calls ran, per group (sequential, pipelined) x (C++ sequential, C++ program, "
+          f"C++ graph, overlapped in Python): {ways}", flush=True)
     print(f"{rank} {reduce}", flush=True)
     everyone = [None] * world
     dist.all_gather_object(everyone, {**fused, **reduce})
     if rank == 0:
         rows = [{"layer": name, "host_us_by_rank": [r[name] for r in everyone],
-                 "host_us_median": round(statistics.median(r[name] for r in everyone), 1)} for name in everyone[0]]
+                 "host_us_median": round(statistics.median(r[name] for r in everyone), 1),
+                 **({"rank0_calls_ran": ways[name]} if name in ways else {})} for name in everyone[0]]
         write_result(args.out, "host_time", world,
                      f"host microseconds per call, issue only: {args.calls} calls back to back (all_reduce: 200), "
                      f"every layer in turn in {args.rounds} rounds, the median round; all_gather_matmul "
