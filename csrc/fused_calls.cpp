@@ -164,6 +164,9 @@ std::optional<ProcessGroupTDist::FusedPlan> ProcessGroupTDist::fusedPlan(
   if (found->second.program && a.is_cuda() && captureId(currentStream(a.device())) != 0) {
     return std::nullopt;
   }
+  if (found->second.program && !communicate_) { // (its steps move data themselves)
+    return std::nullopt;
+  }
   return found->second; // (a copy: Python may run, and change the plans, while it is used)
 }
 

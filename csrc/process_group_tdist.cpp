@@ -594,6 +594,9 @@ void ProcessGroupTDist::rejectCall(
     const at::Tensor& call,
     int64_t root,
     const char* reason) {
+  if (!communicate_) {
+    return; // (the peers' calls return at once: nobody waits for a stand-in)
+  }
   if (!call.defined() || call.layout() != at::kStrided ||
       (call.is_cuda() && call.device().index() != gpuIndex_) ||
       routeMovement(call) == Route::Fallback) {

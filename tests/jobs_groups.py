@@ -8,6 +8,8 @@ the backend is not tdist).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -258,6 +260,14 @@ def no_communication(rank, ws, backend, seed):
         chk.true(False, "bad input", "no error")
     except ValueError as err:
         chk.true("all_gather" in str(err), "bad input", str(err))
+    # a scatter only the root can tell is wrong: the root raises at once, its peers return
+    start = time.perf_counter()
+    try:
+        dist.scatter(torch.empty(4), [torch.empty(3)] * ws if rank == 0 else None, src=0, group=free)
+        chk.true(rank != 0, "rejected scatter", "the root raised nothing")
+    except ValueError as err:
+        chk.true(rank == 0 and "scatter" in str(err), "rejected scatter", str(err))
+    chk.true(time.perf_counter() - start < 5, "rejected scatter", f"took {time.perf_counter() - start:.1f} s")
     usual = dist.new_group(backend="tdist")
     y = torch.full((4,), float(rank + 1))
     dist.all_reduce(y, group=usual)

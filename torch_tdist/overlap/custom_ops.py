@@ -264,9 +264,9 @@ def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: i
         return result
     state.replays.last = None
     # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
-    # (K, the contracted size, is each rank's share of it: the same on every rank)
-    key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), a.shape[-1], b.shape[1])
-    result = tuning.run(group, state, key, sequential, overlapped)
+    key = ("matmul_reduce_scatter", a.dtype, tuning.rows_class(a), b.shape[1])
+    # (K, A's columns: this rank's share of the contracted size, which may differ between ranks)
+    result = tuning.run(group, state, key, sequential, overlapped, width=a.shape[-1])
     _remember(group, backend, state, "matmul_reduce_scatter", served, a, [b], dim, list(REDUCE_OPS).index(reduce_op))
     return result
 

@@ -37,7 +37,7 @@ class Tuning:
     def __init__(self):
         self.tuned = {}  # shape class -> the fastest way found ("tune")
         self.tuning_us = {}  # shape class -> {way: its time there, us per call}
-        self.uneven_classes = set()  # shape classes whose B widths differ between ranks
+        self.uneven_classes = set()  # shape classes whose widths differ between ranks (run)
 
 
 def rows_class(t: Tensor) -> int:
@@ -51,11 +51,12 @@ def run(group, state, key, sequential, overlapped, width=None):
     """The op's result, computed the way the group's policy says (package docstring), ``state``
     the group's ``OverlapState``. ``key``:
     the shape class (the same on every rank). ``width``: a size that may differ between ranks
-    (all_gather_matmul's B columns), tuned apart (q/k/v and an MLP's up projection share rows and
-    K, not the best way) unless the first tuning of ``key`` found it differing between ranks
-    (unevenly sharded columns): then ``key`` is tuned once for every width, so that no rank
-    tunes alone. (A rank would still tune alone if one width of a class were even and a later
-    one uneven with one rank's width equal to the even one: not met in tensor parallelism.)
+    (all_gather_matmul's B columns, matmul_reduce_scatter's share of K), tuned apart (q/k/v and
+    an MLP's up projection share rows and K, not the best way) unless the first tuning of
+    ``key`` found it differing between ranks (unevenly sharded): then ``key`` is tuned once for
+    every width, so that no rank tunes alone. (A rank would still tune alone if one width of a
+    class were even and a later one uneven with one rank's width equal to the even one: not met
+    in tensor parallelism.)
     ``overlapped(way)``: the op overlapped one of ``WAYS``, None where it cannot run;
     ``overlapped`` None: it cannot for this call. (A tuned call builds nothing it does not run:
     host time, tens of microseconds a call on slow hosts.)"""
