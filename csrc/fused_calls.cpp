@@ -205,7 +205,7 @@ void ProcessGroupTDist::rememberFused(
   fusedPlans_[fusedKey(index, a, bs, dim < 0 ? dim + a.dim() : dim, flag)] = std::move(plan);
 }
 
-void ProcessGroupTDist::checkFusedOpen(const char* op) const {
+void ProcessGroupTDist::startFused(const char* op, const at::Tensor& a) {
   checkNotAborted(op);
   // Executor._begin's check (an attribute, read without a Python call)
   py::object stopped = py::getattr(executor_.get(), "_stopped", py::none());
@@ -214,6 +214,9 @@ void ProcessGroupTDist::checkFusedOpen(const char* op) const {
         DistBackendError,
         std::string("tdist ") + op + ": this group stopped after " +
             py::str(stopped).cast<std::string>() + "; destroy it and create a new one");
+  }
+  if (a.is_cuda()) { // (custom_ops._ordered: before anything of the call is queued)
+    orderQueued(a.device().index());
   }
 }
 
@@ -255,10 +258,7 @@ py::object ProcessGroupTDist::fusedAllGatherMatmul(
   if (!plan) {
     return py::none();
   }
-  checkFusedOpen(kFusedOps[0]);
-  if (a.is_cuda()) { // (custom_ops._ordered: before anything of the call is queued)
-    orderQueued(a.device().index());
-  }
+  startFused(kFusedOps[0], a);
   dim = dim < 0 ? dim + a.dim() : dim;
   auto shape = a.sizes().vec();
   shape[dim] *= size_;
@@ -314,10 +314,7 @@ py::object ProcessGroupTDist::fusedMatmulReduceScatter(
   if (!plan) {
     return py::none();
   }
-  checkFusedOpen(kFusedOps[1]);
-  if (a.is_cuda()) { // (custom_ops._ordered: before anything of the call is queued)
-    orderQueued(a.device().index());
-  }
+  startFused(kFusedOps[1], a);
   dim = dim < 0 ? dim + a.dim() : dim;
   if (!plan->program) { // torch.matmul, then custom_ops._reduce_scatter
     auto rows = at::matmul(a, b).movedim(dim, 0).contiguous();

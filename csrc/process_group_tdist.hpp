@@ -474,8 +474,9 @@ class ProcessGroupTDist : public c10d::Backend {
       int64_t dim,
       int64_t flag,
       bool belowAutograd) const;
-  // Raises where a fused call may not run: the group aborted, or stopped (Executor._begin).
-  void checkFusedOpen(const char* op) const;
+  // Starts a fused call on `a`: raises where it may not run (the group aborted, or stopped:
+  // Executor._begin's check), then orders it after the group's last call (custom_ops._ordered).
+  void startFused(const char* op, const at::Tensor& a);
   // Runs `plan`'s stream program on `roles`: its CUDA graph where one was
   // captured at their addresses, else ProgramReplay.run_program.
   void runProgram(int op, const FusedPlan& plan, const std::vector<at::Tensor>& roles);
