@@ -6,7 +6,11 @@ The default group is NCCL; a tdist group over the same ranks runs the same calls
 tensors. Each (op, size) is timed with CUDA events around ``--iters`` calls issued back to back
 (median of 5 such loops, after ``--warmup``; the median of ``--rounds`` rounds, tdist and
 NCCL in turn in each, so that a slow moment of the host hits both), and also one call at a time
-after a barrier.
+after a barrier. all_reduce rows also time torch symm_mem's one-shot (into a preallocated
+output) and two-shot (in place) all-reduces on a symmetric buffer (``symm_mem_one_shot_us``,
+``symm_mem_two_shot_us``), the fastest peers at small sizes. ``host_overhead_us``: CPU
+microseconds per 4 KB all_reduce issued back to back, each peer's, the slowest rank's. Each rank
+runs pinned to its share of the CPUs (``timing.pin_cores``; ``--no-pin``: not).
 Rank 0 writes ``<name>_<machine>.json`` (``--name``, ``collectives`` by default; the MoE sweep
 ``--ops all_to_all_moe --moe-tokens 1,4,...,4096 --graph --name collectives_moe``) and prints a
 table of ratios. ``--every-size`` makes tdist's kernels serve every size, including those that
@@ -22,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import in_turn, slowest, start_job, time_loop_us, write_result  # noqa: E402
+from timing import in_turn, slowest, start_job, symm_mem_group, time_loop_us, write_result  # noqa: E402
 from torch_tdist.config import parse_size  # noqa: E402
 from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 
@@ -105,43 +109,42 @@ def _in_turn(timers: dict, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in in_turn(timers, rounds).items()}
 
 
-def _time_loops(op, groups: dict, inp, out, iters, rounds):
-    """name -> microseconds per call of ``groups[name]``'s back-to-back loops (``_in_turn``)."""
-    return _in_turn({name: lambda group=group: time_loop_us(lambda: _call(op, group, inp, out), iters, _cpu_group,
-                                                            barrier_group=group)
-                     for name, group in groups.items()}, rounds)
+def _time_loops(calls: dict, iters, rounds):
+    """name -> microseconds per call of ``calls[name]``'s back-to-back loops (``_in_turn``)."""
+    return _in_turn({name: lambda call=call: time_loop_us(call, iters, _cpu_group) for name, call in calls.items()},
+                    rounds)
 
 
-def _time_graphs(op, groups: dict, inp, out, iters, rounds):
-    """name -> microseconds per call when ``iters`` calls captured in one CUDA graph are replayed
-    (``_in_turn``, a replay timed as one loop's call): the GPU's own time per call, with no host
-    work between calls (how CUDA-graph users, inference engines among them, run collectives)."""
+def _time_graphs(calls: dict, iters, rounds):
+    """name -> microseconds per call when ``iters`` calls of ``calls[name]`` captured in one CUDA
+    graph are replayed (``_in_turn``, a replay timed as one loop's call): the GPU's own time per
+    call, with no host work between calls (how CUDA-graph users, inference engines among them, run
+    collectives)."""
     current = torch.cuda.current_stream()
     graphs = {}
-    for name, group in groups.items():
+    for name, call in calls.items():
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(3):
-                _call(op, group, inp, out)
+                call()
         current.wait_stream(side)
         graphs[name] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[name], capture_error_mode="thread_local"):
             for _ in range(iters):
-                _call(op, group, inp, out)
+                call()
         graphs[name].replay()
-    return _in_turn({name: lambda name=name, group=group: _time_replay(graphs[name], group) / iters
-                     for name, group in groups.items()}, rounds)
+    return _in_turn({name: lambda name=name: _time_replay(graphs[name]) / iters for name in calls}, rounds)
 
 
-def _time_replay(graph, group, reps=5):
+def _time_replay(graph, reps=5):
     """Microseconds per replay of ``graph`` issued right behind another replay of it (median of
     ``reps``, the slowest rank's): the first replay's calls line the ranks up, so the timed one
     holds the GPUs' time only, not how far apart the ranks' hosts launched it."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        dist.barrier(group=group)
+        dist.barrier()
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -152,23 +155,40 @@ def _time_replay(graph, group, reps=5):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _host_overhead_us(groups: dict, device, rounds=9, calls=200) -> dict:
-    """CPU microseconds per 4 KB all_reduce when many are issued back to back, per group of
-    ``groups`` (name -> group; None: the default): the median of ``rounds`` loops of ``calls``
-    calls, the groups' loops in turn (a slow moment of the host counts against each alike)."""
-    x = torch.randn(1024, device=device)
-    times = {name: [] for name in groups}
+def _symm_mem_all_reduces(inp, symm_name) -> dict:
+    """torch symm_mem's all-reduces of ``inp``'s size, name -> one call (in place on a symmetric
+    buffer holding ``inp``'s values; one-shot into a preallocated output): the peers of a small
+    all_reduce. Empty where symm_mem is unavailable."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
+        symm_mem.rendezvous(buffer, symm_name)
+        buffer.copy_(inp)
+        out = torch.empty_like(inp)
+        return {"symm_mem_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", symm_name, out),
+                "symm_mem_two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", symm_name)}
+    except Exception as err:  # noqa: BLE001 - the other columns still run
+        print(f"symm_mem unavailable: {err}")
+        return {}
+
+
+def _host_overhead_us(calls: dict, rounds=9, n=200) -> dict:
+    """CPU microseconds per call when ``n`` are issued back to back, per call of ``calls`` (name
+    -> one call): the median of ``rounds`` loops, the calls' loops in turn (a slow moment of the
+    host counts against each alike), the slowest rank's."""
+    times = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, group in groups.items():
+        for name, call in calls.items():
             for _ in range(20):
-                dist.all_reduce(x, group=group)
+                call()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(calls):
-                dist.all_reduce(x, group=group)
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            for _ in range(n):
+                call()
+            times[name].append((time.perf_counter() - start) / n * 1e6)
             torch.cuda.synchronize()
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+    return {name: round(slowest(statistics.median(t), _cpu_group), 1) for name, t in times.items()}
 
 
 def main():
@@ -187,18 +207,23 @@ def main():
     parser.add_argument("--every-size", action="store_true",
                         help="tdist's kernels serve every size (backend option gpu_size_limits=False)")
     parser.add_argument("--name", default="collectives", help="the result file is <name>_<machine>.json")
+    parser.add_argument("--no-pin", action="store_true", help="leave the ranks where the scheduler puts them")
     args = parser.parse_args()
     global _async_op
     _async_op = args.async_op
 
-    rank, world, device = start_job()
+    rank, world, device = start_job(pin=not args.no_pin)
     tdist_group = dist.new_group(backend="tdist",
                                  pg_options={"gpu_size_limits": False} if args.every_size else None)
     global _cpu_group
     _cpu_group = dist.new_group(backend="gloo")
-    overhead = _host_overhead_us({"tdist": tdist_group, "nccl": None}, device)
+    symm_name = symm_mem_group()
+    small = torch.randn(1024, device=device)
+    overhead = _host_overhead_us({"tdist": lambda: dist.all_reduce(small, group=tdist_group),
+                                  "nccl": lambda: dist.all_reduce(small),
+                                  **_symm_mem_all_reduces(small, symm_name)})
     if rank == 0:
-        print(f"host overhead per 4 KB all_reduce: tdist {overhead['tdist']} us, nccl {overhead['nccl']} us")
+        print(f"host overhead per 4 KB all_reduce (us, slowest rank): {overhead}")
     transport = torch_tdist.get_heap(tdist_group).transport
     rows = []
     for op in args.ops.split(","):
@@ -209,10 +234,13 @@ def main():
             nccl_us = _time(op, None, inp, out, args.warmup, args.iters)
             before = torch_tdist.stats(tdist_group)
             tdist_us = _time(op, tdist_group, inp, out, args.warmup, args.iters)
-            groups = {"tdist": tdist_group, "nccl": None}
-            loops = _time_loops(op, groups, inp, out, args.iters, args.rounds)
+            calls = {name: lambda group=group: _call(op, group, inp, out)
+                     for name, group in (("tdist", tdist_group), ("nccl", None))}
+            if op == "all_reduce" and not _async_op:
+                calls.update(_symm_mem_all_reduces(inp, symm_name))
+            loops = _time_loops(calls, args.iters, args.rounds)
             if args.graph:
-                graphs = _time_graphs(op, groups, inp, out, args.iters, args.rounds)
+                graphs = _time_graphs(calls, args.iters, args.rounds)
             after = torch_tdist.stats(tdist_group)
             tdist_loop_us, nccl_loop_us = loops["tdist"], loops["nccl"]
             name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
@@ -232,6 +260,11 @@ def main():
                          "nccl_busbw_gbs": round(factor / nccl_loop_us, 1)})
             if op == "all_to_all_moe":
                 rows[-1].update(tokens_per_rank=nbytes, hidden=MOE_HIDDEN, top_k=MOE_TOP_K)
+            for peer in ("symm_mem_one_shot", "symm_mem_two_shot"):
+                if peer in loops:
+                    rows[-1][f"{peer}_us"] = round(loops[peer], 2)
+                    if args.graph:
+                        rows[-1][f"{peer}_graph_us"] = round(graphs[peer], 2)
             if args.graph:
                 rows[-1].update(tdist_graph_us=round(graphs["tdist"], 2), nccl_graph_us=round(graphs["nccl"], 2))
             if rank == 0:
@@ -240,7 +273,8 @@ def main():
                       f"nccl {r['nccl_us']:>8.1f} us  nccl/tdist {r['nccl_us'] / r['tdist_us']:5.2f}x  "
                       f"one call: {r['tdist_single_us']:>8.1f} / {r['nccl_single_us']:>8.1f} us" +
                       (f"  graph: {r['tdist_graph_us']:>8.1f} / {r['nccl_graph_us']:>8.1f} us "
-                       f"({r['nccl_graph_us'] / r['tdist_graph_us']:4.2f}x)" if args.graph else ""), flush=True)
+                       f"({r['nccl_graph_us'] / r['tdist_graph_us']:4.2f}x)" if args.graph else "") +
+                      "".join(f"  {k[:-3]} {v:.1f}" for k, v in r.items() if k.startswith("symm_mem")), flush=True)
     if rank == 0:
         algorithm = os.environ.get("TDIST_ALGORITHM", "auto")
         write_result(args.out, args.name, world,
@@ -248,7 +282,8 @@ def main():
                      f"back to back per timed loop (CUDA events), median of 5 loops, after {args.warmup} "
                      f"warm-ups (nccl-tests' way); the median of {args.rounds} rounds, tdist and NCCL in "
                      f"turn in each. *_single_us: one call after a barrier, median of "
-                     f"{args.iters}: host launch time and rank skew included, noisy" +
+                     f"{args.iters}: host launch time and rank skew included, noisy; symm_mem_*: torch symm_mem's "
+                     f"all-reduces, timed as tdist_us" + ("" if args.no_pin else "; ranks pinned to their share of the CPUs") +
                      (f". *_graph_us: {args.iters} calls captured in one CUDA graph, per call of a replay "
                       f"issued right behind another (which lines the ranks up; median of 5, median round)" if args.graph else ""), rows,
                      algorithm=algorithm,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch_tdist
 from torch_tdist.backend import _tdist_backend
 from torch_tdist.compat import all_gather_single, reduce_scatter_single
-from timing import start_job, write_result
+from timing import fused_call_counts, start_job, symm_mem_group, write_result
 
 
 def per_call(fn, n: int) -> float:
@@ -53,17 +53,8 @@ def in_rounds(layers: dict, rounds: int, calls: int, probe=None) -> tuple[dict, 
 
 
 def issued_counts(groups: dict):
-    """A probe of how fused calls ran: per group, the calls C++ issued by way (sequential,
-    recorded program, CUDA graph) and the calls the overlapped ways served in Python."""
-    states = [torch_tdist.overlap.state(g) for g in groups.values()]
-
-    def probe():
-        counts = []
-        for st in states:
-            issued = (sum(st.issued.sequential), sum(st.issued.program), sum(st.issued.graph))
-            counts += [*issued, sum(st.fused_calls.values()) - issued[1] - issued[2]]
-        return tuple(counts)
-    return probe
+    """A probe of how fused calls ran: per group, ``fused_call_counts``."""
+    return lambda: tuple(n for group in groups.values() for n in fused_call_counts(group))
 
 
 def fused_layers(groups: dict, world: int, device) -> dict:
@@ -103,10 +94,12 @@ def fused_layers(groups: dict, world: int, device) -> dict:
     return layers
 
 
-def all_reduce_layers(group, device) -> dict:
+def all_reduce_layers(group, idle_group, device) -> dict:
     """A synchronous 4 KB all_reduce: through torch.distributed's Python function, the process
-    group's C++ dispatch (no Python checks) and the backend's own call, tdist's and NCCL's; a
-    one-kernel torch op for scale."""
+    group's C++ dispatch (no Python checks) and the backend's own call, tdist's and NCCL's;
+    tdist's bookkeeping alone (``idle_group``, whose calls launch nothing: checks, stream order,
+    the end event, the watchdog's entry); torch symm_mem's two-shot all-reduce; a one-kernel
+    torch op for scale."""
     x = torch.randn(1024, device=device)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # (what dist.all_reduce passes: the call runs on the caller's stream)
@@ -122,6 +115,18 @@ def all_reduce_layers(group, device) -> dict:
         layers[f"{name}: dist.all_reduce"] = lambda pg=pg: dist.all_reduce(x, group=pg)
         layers[f"{name}: group.allreduce"] = lambda pg=pg: synchronous(lambda: pg.allreduce([x], opts))
         layers[f"{name}: backend.allreduce"] = lambda b=backend: synchronous(lambda: b.allreduce([x], opts))
+    idle = idle_group._get_backend(device)
+    layers["tdist, launching nothing: backend.allreduce"] = lambda: synchronous(lambda: idle.allreduce([x], opts))
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        name = symm_mem_group()
+        buffer = symm_mem.empty(1024, device=device)
+        symm_mem.rendezvous(buffer, name)
+        buffer.copy_(x)
+        layers["symm_mem: two_shot_all_reduce_"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", name)
+    except Exception as err:  # noqa: BLE001 - the other layers still run
+        print(f"symm_mem unavailable: {err}")
     layers["x.add_(1)"] = lambda: x.add_(1)
     return layers
 
@@ -131,12 +136,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--no-pin", action="store_true", help="leave the ranks where the scheduler puts them")
     args = parser.parse_args()
-    rank, world, device = start_job()
+    rank, world, device = start_job(pin=not args.no_pin)
     groups = {policy: dist.new_group(backend="tdist", pg_options={"overlap": policy})
               for policy in ("sequential", "pipelined")}
     fused, ways = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls, issued_counts(groups))
-    reduce, _ = in_rounds(all_reduce_layers(groups["sequential"], device), args.rounds, 200)
+    idle_group = dist.new_group(backend="tdist", pg_options={"communication": False})
+    reduce, _ = in_rounds(all_reduce_layers(groups["sequential"], idle_group, device), args.rounds, 200)
     print(f"{rank} {fused}", flush=True)  # (one write a line: ranks' lines stay whole)
     print(f"{rank} how the calls ran, per group (sequential, pipelined) x (C++ sequential, C++ program, "
           f"C++ graph, overlapped in Python): {ways}", flush=True)
@@ -149,7 +156,8 @@ def main():
                  **({"rank0_calls_ran": ways[name]} if name in ways else {})} for name in everyone[0]]
         write_result(args.out, "host_time", world,
                      f"host microseconds per call, issue only: {args.calls} calls back to back (all_reduce: 200), "
-                     f"every layer in turn in {args.rounds} rounds, the median round; all_gather_matmul "
+                     f"every layer in turn in {args.rounds} rounds, the median round"
+                     f"{'' if args.no_pin else ', each rank pinned to its share of the CPUs'}; all_gather_matmul "
                      f"M=256 K=4096 N=6144, matmul_reduce_scatter M=256 K=4096 N=4096, bf16", rows)
     dist.destroy_process_group()
 

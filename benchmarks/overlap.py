@@ -4,7 +4,7 @@
 
 Shapes are ``MxNxK`` (DESIGN.md's convention). AG-GEMM: A [M, K] row-sharded, B [K, N/ws] per
 rank, output [M, N/ws]. GEMM-RS: A [M, K/ws], B [K/ws, N] per rank, output [M/ws, N]. bf16. For
-each shape and op, in one job: tdist as users get it (TDIST_OVERLAP=tune; ``path`` is what its
+each shape and op, in one job: tdist as users get it (the overlap policy ``tune``; ``path`` is what its
 tuning chose: "sequential", "pipelined <chunks>" or "fused <config>", from the times per call in
 ``tuning_us``), tdist's fused kernels with the first tile config (``fused_us``), the pipelined way
 with its default chunks (``pipelined_us``), the sequential path (NCCL collective, then
@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
 from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
-from timing import in_turn, slowest, start_job, time_loop, write_result  # noqa: E402
+from timing import in_turn, slowest, start_job, symm_mem_group, time_loop, write_result  # noqa: E402
 
 # DESIGN.md's seed shapes, then Triton-distributed's LLaMA-3.1-8B, LLaMA-3.1-70B and Qwen2-72B
 SHAPES = ("8192x4096x12288,8192x4096x14336,8192x3584x14336,8192x4608x36864,8192x8192x28672,"
@@ -111,20 +111,11 @@ def main():
     args = parser.parse_args()
 
     rank, world, device = start_job()
-    os.environ["TDIST_OVERLAP"] = "tune"
-    tdist_group = dist.new_group(backend="tdist")
-    os.environ["TDIST_OVERLAP"] = "fused"
-    fused_group = dist.new_group(backend="tdist")
-    os.environ["TDIST_OVERLAP"] = "pipelined"
-    pipelined_group = dist.new_group(backend="tdist")
+    tdist_group = dist.new_group(backend="tdist", pg_options={"overlap": "tune"})
+    fused_group = dist.new_group(backend="tdist", pg_options={"overlap": "fused"})
+    pipelined_group = dist.new_group(backend="tdist", pg_options={"overlap": "pipelined"})
     cpu_group = dist.new_group(backend="gloo")
-    symm_group_name = dist.group.WORLD.group_name
-    try:
-        from torch.distributed import _symmetric_memory
-
-        _symmetric_memory.enable_symm_mem_for_group(symm_group_name)
-    except Exception as err:  # noqa: BLE001 - recorded, the other columns still run
-        print(f"symm_mem unavailable: {err}")
+    symm_group_name = symm_mem_group()
     tuning = torch_tdist.overlap.state(tdist_group).tuning
     gen = torch.Generator(device).manual_seed(1234 + rank)
     rows = []
@@ -179,7 +170,7 @@ def main():
             torch.cuda.empty_cache()
     if rank == 0:
         write_result(args.out, "overlap", world,
-                     f"bf16, slowest rank, tdist's ways chosen by TDIST_OVERLAP=tune; "
+                     f"bf16, slowest rank, tdist's ways chosen by the policy tune; "
                      f"{args.iters} calls back to back per timed loop (CUDA events), {args.warmup} warm-ups, "
                      f"each loop right after {args.preheat_ms:g} ms of the same variant's calls, "
                      f"median of {args.rounds} rounds, each timing every variant in turn; relative_error (by_shard: per rank's rows): "

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import torch_tdist
 from torch_tdist.compat import all_gather_single, reduce_scatter_single
-from timing import in_turn, start_job, time_loop, write_result
+from timing import fused_call_counts, in_turn, start_job, symm_mem_group, time_loop, write_result
 
 MS = "256,512,1024,2048,4096,8192,16384"
 AG_SHAPES = "4096x6144,4096x28672,8192x10240,8192x57344"
@@ -66,6 +66,15 @@ def _variants(op, m, k, n, world, device, group, symm_name, gen):
                 a, b, "sum", scatter_dim=0, group_name=symm_name)}
 
 
+def _counted(timer, group, ran: list):
+    """``timer()``, adding to ``ran`` how the fused calls it made ran (``fused_call_counts``)."""
+    before = fused_call_counts(group)
+    result = timer()
+    for i, (b, a) in enumerate(zip(before, fused_call_counts(group))):
+        ran[i] += a - b
+    return result
+
+
 def _graphed(fn):
     """``fn`` captured in a CUDA graph: a call replays it."""
     graph = torch.cuda.CUDAGraph()
@@ -90,13 +99,7 @@ def main():
     rank, world, device = start_job()
     group = dist.new_group(backend="tdist")
     cpu_group = dist.new_group(backend="gloo")
-    symm_name = dist.group.WORLD.group_name
-    try:  # (needed before torch 2.12, a deprecated no-op since)
-        from torch.distributed import _symmetric_memory
-
-        _symmetric_memory.enable_symm_mem_for_group(symm_name)
-    except Exception as err:  # noqa: BLE001 - recorded per cell, the other columns still run
-        print(f"symm_mem unavailable: {err}")
+    symm_name = symm_mem_group()
     gen = torch.Generator(device).manual_seed(4321 + rank)
     rows = []
     for op in args.ops.split(","):
@@ -123,12 +126,17 @@ def main():
                                 errors[f"{name} graph"] = f"{type(err).__name__}: {err}"[:200]
                         torch.cuda.synchronize()
                     timers = {name: (lambda fn=fn: time_loop(fn, args.iters, cpu_group, reps=1)) for name, fn in calls.items()}
+                    ran = [0, 0, 0, 0]  # how tdist's timed eager calls ran (fused_call_counts)
+                    if mode == "eager" and "tdist" in timers:
+                        timers["tdist"] = lambda timer=timers["tdist"]: _counted(timer, group, ran)
                     row = {"op": op, "M": m, "N": n, "K": k, "mode": mode, "world_size": world}
                     for name, loops in in_turn(timers, args.rounds).items():
                         row[f"{name}_us"] = round(statistics.median(gpu for gpu, _ in loops), 1)
                         row[f"{name}_host_us"] = round(statistics.median(host for _, host in loops), 1)
                     for name in ("tdist", "nccl_mm", "symm_mem"):
                         row.setdefault(f"{name}_us", None)
+                    if mode == "eager":
+                        row["tdist_ran"] = dict(zip(("cpp_sequential", "cpp_program", "cpp_graph", "python"), ran))
                     if errors:
                         row["errors"] = errors
                     if row["tdist_us"] and row["nccl_mm_us"]:

@@ -20,13 +20,52 @@ for _key, _value in SAFE_ENV.items():
     os.environ.setdefault(_key, _value)
 
 
-def start_job():
-    """(rank, world size, this rank's GPU) of a torchrun job, with NCCL as the default group."""
+def start_job(pin: bool = True):
+    """(rank, world size, this rank's GPU) of a torchrun job, with NCCL as the default group;
+    with ``pin``, each rank on its own share of the CPUs (``pin_cores``)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if pin:
+        pin_cores()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=device)
     return rank, world, device
+
+
+def pin_cores() -> list[int]:
+    """Pins this process to the ``LOCAL_RANK``-th of ``LOCAL_WORLD_SIZE`` equal, contiguous
+    shares of the CPUs it may run on; returns them. Unpinned, a rank's host time per call varied
+    up to 1.5x between ranks and runs with where the scheduler put it; small calls and fused
+    calls are host-bound, so that noise was the benchmarks' largest. Every peer of a run shares
+    the pinning."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(len(cpus) // local_world, 1)
+    mine = cpus[local_rank * share:(local_rank + 1) * share] or cpus
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
+def fused_call_counts(group) -> tuple:
+    """How a tdist group's fused calls ran so far: (issued from C++ the sequential way, as a
+    recorded program, as its CUDA graph; served in Python by an overlapped way). The difference
+    of two readings says how the calls between them ran."""
+    state = torch_tdist.overlap.state(group)
+    issued = (sum(state.issued.sequential), sum(state.issued.program), sum(state.issued.graph))
+    return (*issued, sum(state.fused_calls.values()) - issued[1] - issued[2])
+
+
+def symm_mem_group() -> str:
+    """The name of the default group, set up for torch's symmetric-memory ops (the peers of the
+    tdist ops they match)."""
+    name = dist.group.WORLD.group_name
+    try:  # (needed before torch 2.12, a deprecated no-op since)
+        from torch.distributed import _symmetric_memory
+
+        _symmetric_memory.enable_symm_mem_for_group(name)
+    except Exception as err:  # noqa: BLE001 - the symm_mem columns record their own errors
+        print(f"symm_mem unavailable: {err}")
+    return name
 
 
 def slowest(value: float, cpu_group) -> float:

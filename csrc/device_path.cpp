@@ -13,16 +13,21 @@ c10::impl::VirtualGuardImpl guardFor(c10::DeviceType type) {
 
 } // namespace
 
-std::unique_ptr<c10::Event> EventPool::take(c10::DeviceType type) {
+std::unique_ptr<c10::Event> EventPool::take(const c10::Device& device) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!free_.empty()) {
-      auto event = std::move(free_.back());
-      free_.pop_back();
-      return event;
+    // An event belongs to the device it was first recorded on (recording it on another's stream
+    // raises): a call on a tensor of another GPU, refused, still recorded one there.
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      auto index = (*it)->device_index();
+      if ((*it)->device_type() == device.type() && (index == -1 || index == device.index())) {
+        auto event = std::move(*it);
+        free_.erase(std::next(it).base());
+        return event;
+      }
     }
   }
-  return std::make_unique<c10::Event>(type);
+  return std::make_unique<c10::Event>(device.type());
 }
 
 void EventPool::give(std::unique_ptr<c10::Event> event) {
@@ -44,7 +49,7 @@ void EventPool::recordOn(c10::Event& event, const c10::Stream& stream) {
 }
 
 std::shared_ptr<c10::Event> EventPool::record(const c10::Stream& stream) {
-  auto event = take(stream.device_type());
+  auto event = take(stream.device());
   recordOn(*event, stream);
   return std::shared_ptr<c10::Event>(
       event.release(), [pool = shared_from_this()](c10::Event* e) {
@@ -59,7 +64,7 @@ StreamScope::StreamScope(c10::Stream comm, std::shared_ptr<EventPool> events)
   if (onCallerStream()) {
     return;
   }
-  auto ready = events_->take(comm.device_type());
+  auto ready = events_->take(comm.device());
   EventPool::recordOn(*ready, caller_);
   // (the wait is enqueued: the event may be recorded anew; while the caller
   // captures a CUDA graph, this wait brings comm_ into the capture)

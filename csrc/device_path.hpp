@@ -34,7 +34,8 @@ namespace tdist {
 // each, a good part of a small collective's host time.
 class EventPool : public std::enable_shared_from_this<EventPool> {
  public:
-  std::unique_ptr<c10::Event> take(c10::DeviceType type);
+  // A free event of `device` (or one never recorded), else a new one.
+  std::unique_ptr<c10::Event> take(const c10::Device& device);
   void give(std::unique_ptr<c10::Event> event);
   // An event recorded on `stream` now; back in the pool when its last holder
   // drops it (the pool must be owned by a shared_ptr).

@@ -2,7 +2,9 @@
 tensors, plus tensors on another GPU than the group's, a message larger than the heap, the
 nvshmem transport asked for where its library is missing, and (on a group with
 TDIST_CHECK_CALLS=1) arguments that only rank 0 can tell are wrong, which must fail the call on
-every rank.
+every rank; and torch_tdist.ops calls that differ in one thing (dtype, shape, device, stride, a
+tensor resized or new) from a signature C++ issues: the same errors as a first call, or the right
+result by the general path.
 
     torchrun --nproc-per-node 2 -m tests.gpu_bad_input
 
@@ -52,6 +54,70 @@ def _expect_error(name, call, ops, types=VALIDATION):
             return f"{name}: message does not say tdist and name one of {ops}: {err}"
         return None
     return f"{name}: returned without raising"
+
+
+def _fused_after_first_call(group, world, other) -> dict:
+    """torch_tdist.ops calls whose signature ran before (so that C++ issues it,
+    csrc/fused_calls.cpp) varied in one thing: name -> (call, ops its error names, error types),
+    or (check, None): a call that must not reuse the signature's plan and must compute the right
+    result (``check()`` returns what went wrong, or None), against a reference made here from
+    every rank's inputs (regenerated from their seeds)."""
+    m, k, n = 64 * world, 256, 128
+
+    def inputs(r):
+        gen = torch.Generator("cuda").manual_seed(7 + r)
+        return (torch.randn(m // world, k, generator=gen).to(torch.bfloat16),
+                torch.randn(m, k, generator=gen).to(torch.bfloat16),
+                torch.randn(k, n, generator=gen).to(torch.bfloat16))
+    everyone = [inputs(r) for r in range(world)]
+    rank = dist.get_rank()
+    a, rs_a, b = everyone[rank]
+    ops = torch_tdist.ops
+    for _ in range(3):  # (the first runs in Python, the later ones are issued from C++)
+        ops.all_gather_matmul(a, b, group=group)
+        ops.matmul_reduce_scatter(rs_a, b, group=group)
+    state = torch_tdist.overlap.state(group)
+    if not (sum(state.issued.sequential) + sum(state.issued.program) + sum(state.issued.graph)):
+        raise AssertionError("no call was issued from C++: the cases below would test nothing")
+
+    def right(name, got, want):
+        err = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        return None if err < 2e-2 else f"{name}: relative error {err:.3g}"
+
+    def gathered(shard):  # every rank's shard(its inputs), stacked in rank order
+        return torch.cat([shard(*x).float() for x in everyone])
+
+    def resized():  # A grown in place: a new shape, its plan's sizes are not this call's
+        a2 = a.clone()
+        a2.resize_(2 * a.shape[0], k)
+        a2[a.shape[0]:] = a
+        return right("A resized", ops.all_gather_matmul(a2, b, group=group),
+                     gathered(lambda x, *_: torch.cat([x, x])) @ b.float())
+
+    def new_tensors():  # the recorded call's tensors kept, new ones elsewhere
+        a2, b2 = a * 2, b.clone()
+        extra = torch.empty(1 << 20)  # (moves the allocator's next blocks)
+        got = ops.all_gather_matmul(a2, b2, group=group)
+        del extra
+        return right("new tensors", got, gathered(lambda x, *_: x * 2) @ b.float())
+
+    def strided():  # B column-major: a new stride
+        got = ops.matmul_reduce_scatter(rs_a, b.t().contiguous().t(), group=group)
+        total = sum(x.float() @ w.float() for _, x, w in everyone)
+        return right("B column-major", got, total.chunk(world)[rank])
+
+    return {
+        "A float64": (lambda: ops.all_gather_matmul(a.double(), b, group=group), ["all_gather_matmul"]),
+        "B float16": (lambda: ops.matmul_reduce_scatter(rs_a, b.half(), group=group), ["matmul_reduce_scatter"]),
+        "B with another K": (lambda: ops.all_gather_matmul(a, b[:-8], group=group), ["all_gather_matmul"]),
+        "rows the group does not divide": (lambda: ops.matmul_reduce_scatter(rs_a[:-1], b, group=group),
+                                           ["matmul_reduce_scatter"]),
+        "A on another GPU": (lambda: ops.all_gather_matmul(a.to(other), b.to(other), group=group),
+                             ["all_gather_matmul", "all_gather_into_tensor"]),
+        "A resized in place": (resized, None),
+        "new tensors": (new_tensors, None),
+        "B column-major": (strided, None),
+    }
 
 
 def main():
@@ -126,6 +192,14 @@ def main():
             problem = f"{case} (one rank's): rank 0's rejection not named: {outcome[2]}"
         failures += [problem] if problem else []
         print(f"rank {rank}: {case + ' (one rank)':<32} {'ok' if not problem else 'FAILED'}", flush=True)
+
+    for policy in ("sequential", "pipelined"):
+        group = dist.new_group(backend="tdist", pg_options={"overlap": policy})
+        for name, (call, ops, *types) in _fused_after_first_call(group, world, other).items():
+            checked += 1
+            problem = _expect_error(f"{policy}: {name}", call, ops, *types) if ops else call()
+            failures += [f"{policy}: {problem}"] if problem else []
+            print(f"rank {rank}: {policy + ': ' + name:<32} {'ok' if not problem else 'FAILED'}", flush=True)
 
     xs = [torch.randn(1000, generator=torch.Generator(device).manual_seed(r)) for r in range(world)]
     x = xs[rank].clone()

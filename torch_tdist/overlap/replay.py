@@ -46,6 +46,10 @@ class ProgramReplay:
         self._replayed_calls = collections.Counter()  # pipelined calls replayed from Python, by op
         self._scratch_buffers = {}  # dtype -> scratch's memory
         self.last = None  # (program, roles) of the last call that ran or recorded one, else None
+        # while a shape class is tuned (tuning.run): its calls run step by step, capturing no
+        # graphs (tuning's ways and addresses would use up PROGRAM_GRAPHS, and the calls after it
+        # would find no capture left: step by step, hundreds of microseconds of host time a call)
+        self.tuning = False
 
     @property
     def graph_calls(self) -> int:
@@ -115,7 +119,7 @@ class ProgramReplay:
         addresses it was replayed at before (one launch instead of tens of driver calls and
         matmuls, each a few to tens of microseconds of host time), else step by step. A caller
         capturing its own graph gets the steps."""
-        if not PROGRAM_GRAPHS or torch.cuda.is_current_stream_capturing():
+        if not PROGRAM_GRAPHS or self.tuning or torch.cuda.is_current_stream_capturing():
             program.run(roles)
             return
         where = (id(program), *(t.data_ptr() for t in roles))

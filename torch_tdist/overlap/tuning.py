@@ -24,6 +24,9 @@ TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
 TUNE_WARMUPS = 2
 if language.INTERPRET:  # (one timed call a way: CPU times say nothing of GPUs; CI's time)
     TUNE_RUNS, TUNE_ROUNDS, TUNE_WARMUPS = 1, 1, 0
+# GPU cycles the stream sleeps before a way's timed calls (about 2 ms on an H200): longer than
+# the host takes to issue them, so that the GPU's time alone is measured (_seconds_per_call)
+HOLD_CYCLES = 4_000_000
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
 # name -> way of the overlapped ops: ("pipelined", chunks) or ("fused", tile config)
@@ -77,7 +80,11 @@ def run(group, state, key, sequential, overlapped, width=None):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return sequential()  # no timing inside a CUDA graph capture; tuned on a later call
         ways = {"sequential": sequential, **{name: (lambda w=w: overlapped(w)) for name, w in WAYS.items()}}
-        choice, widths_differ, times = _fastest(group, executor.heap.device, ways, width or 0)
+        state.replays.tuning = True
+        try:
+            choice, widths_differ, times = _fastest(group, executor.heap.device, ways, width or 0)
+        finally:
+            state.replays.tuning = False
         if widths_differ:
             tuning.uneven_classes.add(shape_class)
             key = shape_class
@@ -91,7 +98,7 @@ def _or_sequential(result, sequential):
 
 def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, bool, dict]:
     """(the way with the least time per call, whether ``width`` differs between ranks, every
-    runnable way's time in microseconds):
+    runnable way's time in microseconds; ``_seconds_per_call``):
     TUNE_ROUNDS rounds over the ways (so that a slow moment of the machine does not count
     against one way only), each timing TUNE_RUNS calls on every rank after TUNE_WARMUPS, the
     ranks starting together; a way's time is its median round."""
@@ -104,17 +111,35 @@ def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, 
                 ways[name]()
             dist.all_reduce(aligned, group=group)
             _synchronize()
-            start = time.perf_counter()
-            for _ in range(TUNE_RUNS):
-                ways[name]()
-            _synchronize()
-            rounds[name].append((time.perf_counter() - start) / TUNE_RUNS)
+            rounds[name].append(_seconds_per_call(ways[name], device))
     slowest = torch.tensor([statistics.median(rounds[n]) if n in rounds else math.inf for n in ways]
                            + [width, -width], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     slowest = slowest.cpu()
     times = {name: round(t * 1e6, 1) for name, t in zip(ways, slowest.tolist()) if name in rounds}
     return _choose(list(ways), slowest[:len(ways)]), bool(slowest[-2] != -slowest[-1]), times
+
+
+def _seconds_per_call(way, device: torch.device) -> float:
+    """Seconds per call of TUNE_RUNS calls of ``way``. On GPUs, the GPU's time: the calls are
+    queued behind HOLD_CYCLES of sleep, so that the host's issuing is not counted. These calls
+    run through Python, later ones are issued from C++ in a fraction of that host time
+    (``csrc/fused_calls.cpp``), and in a CUDA graph there is none: wall time here would favour
+    the way that is cheapest for Python, not the fastest one."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(TUNE_RUNS):
+            way()
+        return (time.perf_counter() - start) / TUNE_RUNS
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOLD_CYCLES)
+        start.record()
+        for _ in range(TUNE_RUNS):
+            way()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3 / TUNE_RUNS
 
 
 def _choose(names: list, slowest) -> str:
