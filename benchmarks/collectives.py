@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import in_turn, slowest, start_job, symm_mem_group, time_loop_us, write_result  # noqa: E402
+from timing import in_turn, slowest, start_job, symm_mem_all_reduces, symm_mem_group, time_loop_us, write_result  # noqa: E402
 from torch_tdist.config import parse_size  # noqa: E402
 from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 
@@ -155,24 +155,6 @@ def _time_replay(graph, reps=5):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _symm_mem_all_reduces(inp, symm_name) -> dict:
-    """torch symm_mem's all-reduces of ``inp``'s size, name -> one call (in place on a symmetric
-    buffer holding ``inp``'s values; one-shot into a preallocated output): the peers of a small
-    all_reduce. Empty where symm_mem is unavailable."""
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
-        symm_mem.rendezvous(buffer, symm_name)
-        buffer.copy_(inp)
-        out = torch.empty_like(inp)
-        return {"symm_mem_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", symm_name, out),
-                "symm_mem_two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", symm_name)}
-    except Exception as err:  # noqa: BLE001 - the other columns still run
-        print(f"symm_mem unavailable: {err}")
-        return {}
-
-
 def _host_overhead_us(calls: dict, rounds=9, n=200) -> dict:
     """CPU microseconds per call when ``n`` are issued back to back, per call of ``calls`` (name
     -> one call): the median of ``rounds`` loops, the calls' loops in turn (a slow moment of the
@@ -221,7 +203,7 @@ def main():
     small = torch.randn(1024, device=device)
     overhead = _host_overhead_us({"tdist": lambda: dist.all_reduce(small, group=tdist_group),
                                   "nccl": lambda: dist.all_reduce(small),
-                                  **_symm_mem_all_reduces(small, symm_name)})
+                                  **symm_mem_all_reduces(small, symm_name)})
     if rank == 0:
         print(f"host overhead per 4 KB all_reduce (us, slowest rank): {overhead}")
     transport = torch_tdist.get_heap(tdist_group).transport
@@ -237,7 +219,7 @@ def main():
             calls = {name: lambda group=group: _call(op, group, inp, out)
                      for name, group in (("tdist", tdist_group), ("nccl", None))}
             if op == "all_reduce" and not _async_op:
-                calls.update(_symm_mem_all_reduces(inp, symm_name))
+                calls.update(symm_mem_all_reduces(inp, symm_name))
             loops = _time_loops(calls, args.iters, args.rounds)
             if args.graph:
                 graphs = _time_graphs(calls, args.iters, args.rounds)

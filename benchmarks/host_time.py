@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch_tdist
 from torch_tdist.backend import _tdist_backend
 from torch_tdist.compat import all_gather_single, reduce_scatter_single
-from timing import fused_call_counts, start_job, symm_mem_group, write_result
+from timing import fused_call_counts, start_job, symm_mem_all_reduces, symm_mem_group, write_result
 
 
 def per_call(fn, n: int) -> float:
@@ -117,16 +117,9 @@ def all_reduce_layers(group, idle_group, device) -> dict:
         layers[f"{name}: backend.allreduce"] = lambda b=backend: synchronous(lambda: b.allreduce([x], opts))
     idle = idle_group._get_backend(device)
     layers["tdist, launching nothing: backend.allreduce"] = lambda: synchronous(lambda: idle.allreduce([x], opts))
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        name = symm_mem_group()
-        buffer = symm_mem.empty(1024, device=device)
-        symm_mem.rendezvous(buffer, name)
-        buffer.copy_(x)
-        layers["symm_mem: two_shot_all_reduce_"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", name)
-    except Exception as err:  # noqa: BLE001 - the other layers still run
-        print(f"symm_mem unavailable: {err}")
+    symm = symm_mem_all_reduces(x, symm_mem_group())
+    if symm:
+        layers["symm_mem: two_shot_all_reduce_"] = symm["symm_mem_two_shot"]
     layers["x.add_(1)"] = lambda: x.add_(1)
     return layers
 

@@ -33,15 +33,25 @@ def start_job(pin: bool = True):
 
 
 def pin_cores() -> list[int]:
-    """Pins this process to the ``LOCAL_RANK``-th of ``LOCAL_WORLD_SIZE`` equal, contiguous
-    shares of the CPUs it may run on; returns them. Unpinned, a rank's host time per call varied
-    up to 1.5x between ranks and runs with where the scheduler put it; small calls and fused
-    calls are host-bound, so that noise was the benchmarks' largest. Every peer of a run shares
-    the pinning."""
+    """Pins this process (and the threads it starts later) to the ``LOCAL_RANK``-th of
+    ``LOCAL_WORLD_SIZE`` equal shares of the CPU cores it may run on, a core's hardware threads
+    together (so that no two ranks share a core); returns the CPUs. Unpinned, a rank's host time
+    per call varied up to 1.5x between ranks and runs with where the scheduler put it; small
+    calls and fused calls are host-bound, so that noise was the benchmarks' largest. Every peer
+    of a run shares the pinning."""
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cpus = sorted(os.sched_getaffinity(0))
-    share = max(len(cpus) // local_world, 1)
-    mine = cpus[local_rank * share:(local_rank + 1) * share] or cpus
+    allowed = os.sched_getaffinity(0)
+    cores = {}  # a core's hardware threads (its first CPU's list) -> those this process may use
+    for cpu in sorted(allowed):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                core = f.read().strip()
+        except OSError:
+            core = str(cpu)
+        cores.setdefault(core, []).append(cpu)
+    groups = list(cores.values())
+    share = max(len(groups) // local_world, 1)
+    mine = [cpu for group in groups[local_rank * share:(local_rank + 1) * share] for cpu in group] or sorted(allowed)
     os.sched_setaffinity(0, mine)
     return mine
 
@@ -66,6 +76,28 @@ def symm_mem_group() -> str:
     except Exception as err:  # noqa: BLE001 - the symm_mem columns record their own errors
         print(f"symm_mem unavailable: {err}")
     return name
+
+
+def symm_mem_all_reduces(inp: torch.Tensor, symm_name: str) -> dict:
+    """torch symm_mem's all-reduces of ``inp``'s size, name -> one call, in place on a symmetric
+    buffer holding ``inp``'s values (one-shot into a preallocated output): the peers of a small
+    all_reduce. Empty on every rank where symm_mem fails on one (the ranks agree, through the
+    default group, so that none times calls the others do not make)."""
+    calls = {}
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
+        symm_mem.rendezvous(buffer, symm_name)
+        buffer.copy_(inp)
+        out = torch.empty_like(inp)
+        calls = {"symm_mem_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", symm_name, out),
+                 "symm_mem_two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buffer, "sum", symm_name)}
+    except Exception as err:  # noqa: BLE001 - the other columns still run
+        print(f"symm_mem unavailable: {err}")
+    everywhere = torch.tensor([1 if calls else 0], device=inp.device)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    return calls if everywhere.item() else {}
 
 
 def slowest(value: float, cpu_group) -> float:

@@ -810,7 +810,7 @@ WorkPtr ProcessGroupTDist::finishWork(
   work->setSequenceNumber(++seq_);
   work->markDone();
   becomeLastCall(*work);
-  if (work->watchable()) { // (also what it keeps alive: see TDistWork)
+  if (work->watchable()) { // (also what an async call keeps alive: see TDistWork)
     watch(work, opName(op));
   }
   // As NCCL's since torch 2.8: a call the caller waits for at once returns no

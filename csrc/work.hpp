@@ -21,9 +21,9 @@ namespace tdist {
 
 // Construct it before the executor runs (so a profiler range covers the
 // call), then call markDone(). On a GPU, startOnStream() first puts the call
-// on its stream; markDone() then records the end of its work there, keeps the
-// tensors alive until wait() (when that stream is not the caller's), and
-// returns to the caller's stream.
+// on its stream; markDone() then records the end of its work there, keeps an
+// async call's tensors alive until wait() (when that stream is not the
+// caller's; a synchronous call keeps none), and returns to the caller's stream.
 class TDistWork : public c10d::Work {
  public:
   TDistWork(

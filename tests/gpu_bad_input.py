@@ -76,9 +76,10 @@ def _fused_after_first_call(group, world, other) -> dict:
     for _ in range(3):  # (the first runs in Python, the later ones are issued from C++)
         ops.all_gather_matmul(a, b, group=group)
         ops.matmul_reduce_scatter(rs_a, b, group=group)
-    state = torch_tdist.overlap.state(group)
-    if not (sum(state.issued.sequential) + sum(state.issued.program) + sum(state.issued.graph)):
-        raise AssertionError("no call was issued from C++: the cases below would test nothing")
+    issued = torch_tdist.overlap.state(group).issued
+    for i, op in enumerate(("all_gather_matmul", "matmul_reduce_scatter")):
+        if not issued.sequential[i] + issued.program[i] + issued.graph[i]:
+            raise AssertionError(f"no {op} call was issued from C++: the cases below would test nothing")
 
     def right(name, got, want):
         err = (got.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
@@ -87,16 +88,17 @@ def _fused_after_first_call(group, world, other) -> dict:
     def gathered(shard):  # every rank's shard(its inputs), stacked in rank order
         return torch.cat([shard(*x).float() for x in everyone])
 
-    def resized():  # A grown in place: a new shape, its plan's sizes are not this call's
-        a2 = a.clone()
-        a2.resize_(2 * a.shape[0], k)
-        a2[a.shape[0]:] = a
-        return right("A resized", ops.all_gather_matmul(a2, b, group=group),
-                     gathered(lambda x, *_: torch.cat([x, x])) @ b.float())
+    def resized():  # the recorded calls' A grown in place (new memory, a new shape); the last case
+        want = gathered(lambda x, *_: torch.cat([x, x])) @ b.float()
+        rows = a.shape[0]
+        first = a.clone()
+        a.resize_(2 * rows, k)
+        a[:rows], a[rows:] = first, first
+        return right("A resized", ops.all_gather_matmul(a, b, group=group), want)
 
     def new_tensors():  # the recorded call's tensors kept, new ones elsewhere
         a2, b2 = a * 2, b.clone()
-        extra = torch.empty(1 << 20)  # (moves the allocator's next blocks)
+        extra = torch.empty(64 << 10)  # (a small block: moves where the small pool's next ones go)
         got = ops.all_gather_matmul(a2, b2, group=group)
         del extra
         return right("new tensors", got, gathered(lambda x, *_: x * 2) @ b.float())
@@ -114,9 +116,9 @@ def _fused_after_first_call(group, world, other) -> dict:
                                            ["matmul_reduce_scatter"]),
         "A on another GPU": (lambda: ops.all_gather_matmul(a.to(other), b.to(other), group=group),
                              ["all_gather_matmul", "all_gather_into_tensor"]),
-        "A resized in place": (resized, None),
         "new tensors": (new_tensors, None),
         "B column-major": (strided, None),
+        "A resized in place": (resized, None),  # (last: it changes A)
     }
 
 

@@ -913,6 +913,30 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
             _failures.append(f"{label}: a call with B column-major was issued from C++")
 
 
+def sync_calls_keep_no_tensors(tg, rank, world, device, gen):
+    """A synchronous call's tensors go back to the caching allocator as soon as the caller drops
+    them: its Work keeps none (csrc/work.cpp). Kept until the watchdog's next poll, a loop that
+    allocates its outputs would get new memory from the driver on most calls."""
+    og = _tdist_group({"overlap": "sequential"})
+    a = torch.randn(256, 1024, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(1024, 512, device=device, generator=gen).to(torch.bfloat16)
+    calls = {"all_gather_into_tensor": lambda: all_gather_single(
+                 torch.empty(world * a.numel(), device=device, dtype=a.dtype), a.flatten().clone(), group=tg),
+             "all_gather_matmul, sequential way": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=og)}
+    global _checked
+    for name, call in calls.items():
+        for _ in range(3):  # (plans, the C++-issued signature, tuned sizes: made once)
+            call()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+        for _ in range(5):
+            call()  # (its result and tensors dropped at once)
+        _checked += 1
+        if torch.cuda.memory_allocated(device) != base:
+            _failures.append(f"{name}: {torch.cuda.memory_allocated(device) - base} bytes still allocated "
+                             f"after synchronous calls whose tensors the caller dropped")
+
+
 def pipelined_tf32_switch(tg, rank, world, device, gen):
     """float32 pipelined ops follow a change of torch's TF32 setting between calls: calls with
     TF32 on (the later ones replay a CUDA graph, whose matmuls keep the setting of their
@@ -1196,7 +1220,7 @@ NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
           streamed_path, twoshot_path, multi_round_plans, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
-          pipelined_in_user_graph, pipelined_tf32_switch, fused_issued_from_cpp,
+          pipelined_in_user_graph, pipelined_tf32_switch, fused_issued_from_cpp, sync_calls_keep_no_tensors,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 
 

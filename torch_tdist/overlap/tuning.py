@@ -19,14 +19,16 @@ from .pipelined import PIPELINE_CHUNKS
 TUNE_RUNS = 5  # calls of a way timed together when a shape class is tuned
 TUNE_ROUNDS = 3  # rounds over all ways; a way's time is its median round
 # untimed calls of a way before each of its timed ones (and one before the first round, which
-# compiles): the first calls of a pipelined way at new addresses are recorded or captured in a
-# CUDA graph (ProgramReplay.run_program), many times slower
+# compiles): a pipelined way's first call is recorded (ProgramReplay.recorded), many times slower
 TUNE_WARMUPS = 2
 if language.INTERPRET:  # (one timed call a way: CPU times say nothing of GPUs; CI's time)
     TUNE_RUNS, TUNE_ROUNDS, TUNE_WARMUPS = 1, 1, 0
-# GPU cycles the stream sleeps before a way's timed calls (about 2 ms on an H200): longer than
-# the host takes to issue them, so that the GPU's time alone is measured (_seconds_per_call)
-HOLD_CYCLES = 4_000_000
+# GPU cycles the stream sleeps before a way's timed calls, so that the GPU's time alone is
+# measured (_seconds_per_call): twice what the host took to issue as many calls of the way, at
+# GPU_CYCLES_PER_SECOND (an H200's top SM clock, 1.98 GHz; at a lower clock the sleep lasts
+# longer), within [HOLD_CYCLES, MAX_HOLD_CYCLES] (2 ms to 100 ms there)
+GPU_CYCLES_PER_SECOND = 2.0e9
+HOLD_CYCLES, MAX_HOLD_CYCLES = 4_000_000, 200_000_000
 OVERLAP_MARGIN = 0.95  # an overlapped way must take at most this much of the sequential time
 
 # name -> way of the overlapped ops: ("pipelined", chunks) or ("fused", tile config)
@@ -104,14 +106,18 @@ def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, 
     ranks starting together; a way's time is its median round."""
     runnable = [name for name, way in ways.items() if way() is not None]  # (also the warm-up: compiles)
     rounds = {name: [] for name in runnable}
-    aligned = torch.zeros(1, device=device)
+    issue = torch.zeros(1, dtype=torch.float64, device=device)
     for _ in range(TUNE_ROUNDS):
         for name in runnable:
+            start = time.perf_counter()
             for _ in range(TUNE_WARMUPS):
                 ways[name]()
-            dist.all_reduce(aligned, group=group)
+            # the slowest rank's host seconds per call (the ranks start together after it, and
+            # hold their streams alike)
+            issue.fill_((time.perf_counter() - start) / max(TUNE_WARMUPS, 1))
+            dist.all_reduce(issue, op=dist.ReduceOp.MAX, group=group)
             _synchronize()
-            rounds[name].append(_seconds_per_call(ways[name], device))
+            rounds[name].append(_seconds_per_call(ways[name], device, issue.item()))
     slowest = torch.tensor([statistics.median(rounds[n]) if n in rounds else math.inf for n in ways]
                            + [width, -width], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -120,9 +126,10 @@ def _fastest(group, device: torch.device, ways: dict, width: int) -> tuple[str, 
     return _choose(list(ways), slowest[:len(ways)]), bool(slowest[-2] != -slowest[-1]), times
 
 
-def _seconds_per_call(way, device: torch.device) -> float:
+def _seconds_per_call(way, device: torch.device, issue_seconds: float) -> float:
     """Seconds per call of TUNE_RUNS calls of ``way``. On GPUs, the GPU's time: the calls are
-    queued behind HOLD_CYCLES of sleep, so that the host's issuing is not counted. These calls
+    queued behind a sleep longer than the host takes to issue them (``issue_seconds`` a call;
+    HOLD_CYCLES), so that the host's issuing is not counted. These calls
     run through Python, later ones are issued from C++ in a fraction of that host time
     (``csrc/fused_calls.cpp``), and in a CUDA graph there is none: wall time here would favour
     the way that is cheapest for Python, not the fastest one."""
@@ -133,7 +140,8 @@ def _seconds_per_call(way, device: torch.device) -> float:
         return (time.perf_counter() - start) / TUNE_RUNS
     with torch.cuda.device(device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HOLD_CYCLES)
+        hold = 2 * TUNE_RUNS * issue_seconds * GPU_CYCLES_PER_SECOND
+        torch.cuda._sleep(int(min(max(hold, HOLD_CYCLES), MAX_HOLD_CYCLES)))
         start.record()
         for _ in range(TUNE_RUNS):
             way()
