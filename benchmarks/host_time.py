@@ -7,7 +7,8 @@ same run; each rank prints its own line, rank 0 writes ``host_time_<machine>.jso
 A fused call's layers, outermost first: ``torch_tdist.ops.*`` (what users call: C++ issues a
 signature's later calls), the custom op ``torch.ops.tdist.*`` (the dispatcher's path, which
 torch.compile's graphs take), the backend's C++ entry point alone, and their parts: the group's
-collective from Python (``dist.all_gather_single``) and ``torch.matmul``. Shapes: M = 256 total
+collective from Python (``dist.all_gather_single``) and ``torch.matmul``. Then synchronous 4 KB
+collectives, layer by layer (``all_reduce_layers``, ``small_collective_layers``). Shapes: M = 256 total
 rows, K = 4096, N = 6144 (all_gather_matmul) and 4096 (matmul_reduce_scatter), bf16, on groups
 whose policy is ``sequential`` and ``pipelined`` (the pipelined way's later calls replay a CUDA
 graph). Each figure: ``--calls`` calls back to back (issue only, no synchronisation inside),
@@ -104,24 +105,54 @@ def all_reduce_layers(group, idle_group, device) -> dict:
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # (what dist.all_reduce passes: the call runs on the caller's stream)
 
-    def synchronous(call):
-        work = call()
-        if work is not None:
-            work.wait()
-
     layers = {}
     for name, pg in (("tdist", group), ("nccl", dist.distributed_c10d._get_default_group())):
         backend = pg._get_backend(device)
         layers[f"{name}: dist.all_reduce"] = lambda pg=pg: dist.all_reduce(x, group=pg)
-        layers[f"{name}: group.allreduce"] = lambda pg=pg: synchronous(lambda: pg.allreduce([x], opts))
-        layers[f"{name}: backend.allreduce"] = lambda b=backend: synchronous(lambda: b.allreduce([x], opts))
+        layers[f"{name}: group.allreduce"] = lambda pg=pg: _wait(pg.allreduce([x], opts))
+        layers[f"{name}: backend.allreduce"] = lambda b=backend: _wait(b.allreduce([x], opts))
     idle = idle_group._get_backend(device)
-    layers["tdist, launching nothing: backend.allreduce"] = lambda: synchronous(lambda: idle.allreduce([x], opts))
+    layers["tdist, launching nothing: backend.allreduce"] = lambda: _wait(idle.allreduce([x], opts))
     symm = symm_mem_all_reduces(x, symm_mem_group())
     if symm:
         layers["symm_mem: two_shot_all_reduce_"] = symm["symm_mem_two_shot"]
     layers["x.add_(1)"] = lambda: x.add_(1)
     return layers
+
+
+def small_collective_layers(group, idle_group, world, device) -> dict:
+    """The other synchronous small collectives, 4 KB per rank, on tdist: torch.distributed's
+    Python function, the backend's own call, and the backend's call on ``idle_group`` (launching
+    nothing): where each op's host time goes, as ``all_reduce_layers`` shows for all_reduce."""
+    x, gathered, scattered = (torch.randn(n, device=device) for n in (1024, 1024 * world, 1024 // world))
+    out = torch.empty_like(x)
+
+    def options(kind):
+        opts = kind()
+        opts.asyncOp = False  # (what torch.distributed's functions pass)
+        return opts
+    ops = {  # name: (torch.distributed's call, the backend method's name, its arguments)
+        "broadcast": (lambda: dist.broadcast(x, 0, group=group), "broadcast",
+                      ([x], options(dist.BroadcastOptions))),
+        "all_to_all_single": (lambda: dist.all_to_all_single(out, x, group=group), "alltoall_base",
+                              (out, x, [], [], options(dist.AllToAllOptions))),
+        "all_gather_single": (lambda: all_gather_single(gathered, x, group=group), "_allgather_base",
+                              (gathered, x, options(dist.distributed_c10d.AllgatherOptions))),
+        "reduce_scatter_single": (lambda: reduce_scatter_single(scattered, x, group=group), "_reduce_scatter_base",
+                                  (scattered, x, options(dist.ReduceScatterOptions))),
+    }
+    layers = {}
+    for name, (call, method, args) in ops.items():
+        layers[f"tdist: dist.{name}"] = call
+        for label, pg in (("backend", group), ("launching nothing: backend", idle_group)):
+            bound = getattr(pg._get_backend(device), method)
+            layers[f"tdist, {label}.{method}"] = lambda bound=bound, args=args: _wait(bound(*args))
+    return layers
+
+
+def _wait(work):
+    if work is not None:
+        work.wait()
 
 
 def main():
@@ -136,7 +167,9 @@ def main():
               for policy in ("sequential", "pipelined")}
     fused, ways = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls, issued_counts(groups))
     idle_group = dist.new_group(backend="tdist", pg_options={"communication": False})
-    reduce, _ = in_rounds(all_reduce_layers(groups["sequential"], idle_group, device), args.rounds, 200)
+    reduce, _ = in_rounds({**all_reduce_layers(groups["sequential"], idle_group, device),
+                           **small_collective_layers(groups["sequential"], idle_group, world, device)},
+                          args.rounds, 200)
     print(f"{rank} {fused}", flush=True)  # (one write a line: ranks' lines stay whole)
     print(f"{rank} how the calls ran, per group (sequential, pipelined) x (C++ sequential, C++ program, "
           f"C++ graph, overlapped in Python): {ways}", flush=True)

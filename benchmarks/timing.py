@@ -9,6 +9,7 @@ import platform
 import socket
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,9 @@ def symm_mem_group() -> str:
     try:  # (needed before torch 2.12, a deprecated no-op since)
         from torch.distributed import _symmetric_memory
 
-        _symmetric_memory.enable_symm_mem_for_group(name)
+        with warnings.catch_warnings():  # (its deprecation from torch 2.12 on)
+            warnings.simplefilter("ignore", FutureWarning)
+            _symmetric_memory.enable_symm_mem_for_group(name)
     except Exception as err:  # noqa: BLE001 - the symm_mem columns record their own errors
         print(f"symm_mem unavailable: {err}")
     return name
