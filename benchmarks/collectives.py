@@ -20,13 +20,12 @@ tdist otherwise hands to NCCL (the backend option ``gpu_size_limits``), to measu
 import argparse
 import os
 import statistics
-import time
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402
-from timing import in_turn, slowest, start_job, symm_mem_all_reduces, symm_mem_group, time_loop_us, write_result  # noqa: E402
+from timing import host_us_in_rounds, in_turn, slowest, start_job, symm_mem_all_reduces, symm_mem_group, time_loop_us, write_result  # noqa: E402
 from torch_tdist.config import parse_size  # noqa: E402
 from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
 
@@ -155,22 +154,11 @@ def _time_replay(graph, reps=5):
     return slowest(statistics.median(times), _cpu_group)
 
 
-def _host_overhead_us(calls: dict, rounds=9, n=200) -> dict:
-    """CPU microseconds per call when ``n`` are issued back to back, per call of ``calls`` (name
-    -> one call): the median of ``rounds`` loops, the calls' loops in turn (a slow moment of the
-    host counts against each alike), the slowest rank's."""
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            for _ in range(20):
-                call()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(n):
-                call()
-            times[name].append((time.perf_counter() - start) / n * 1e6)
-            torch.cuda.synchronize()
-    return {name: round(slowest(statistics.median(t), _cpu_group), 1) for name, t in times.items()}
+def _host_overhead_us(calls: dict) -> dict:
+    """CPU microseconds per call when 200 are issued back to back, per call of ``calls`` (name ->
+    one call): ``host_us_in_rounds`` over 9 rounds after 20 warm-up calls, the slowest rank's."""
+    medians, _ = host_us_in_rounds(calls, 9, 200, warmup=20)
+    return {name: round(slowest(us, _cpu_group), 1) for name, us in medians.items()}
 
 
 def main():

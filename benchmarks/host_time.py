@@ -17,7 +17,6 @@ every layer in turn in each of ``--rounds`` rounds, the median round.
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -25,32 +24,7 @@ import torch.distributed as dist
 import torch_tdist
 from torch_tdist.backend import _tdist_backend
 from torch_tdist.compat import all_gather_single, reduce_scatter_single
-from timing import fused_call_counts, start_job, symm_mem_all_reduces, symm_mem_group, write_result
-
-
-def per_call(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
-def in_rounds(layers: dict, rounds: int, calls: int, probe=None) -> tuple[dict, dict]:
-    """(layer -> its median round's host us per call, layer -> what ``probe()`` counted during
-    its loops: how the calls ran)."""
-    times, counted = {name: [] for name in layers}, {}
-    for _ in range(rounds):
-        for name, fn in layers.items():
-            before = probe() if probe else ()
-            times[name].append(per_call(fn, calls))
-            after = probe() if probe else ()
-            counted[name] = [sum(x) for x in zip(counted.get(name, [0] * len(after)),
-                                                 (a - b for a, b in zip(after, before)))]
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}, counted
+from timing import fused_call_counts, host_us_in_rounds, start_job, symm_mem_all_reduces, symm_mem_group, write_result
 
 
 def issued_counts(groups: dict):
@@ -165,11 +139,13 @@ def main():
     rank, world, device = start_job(pin=not args.no_pin)
     groups = {policy: dist.new_group(backend="tdist", pg_options={"overlap": policy})
               for policy in ("sequential", "pipelined")}
-    fused, ways = in_rounds(fused_layers(groups, world, device), args.rounds, args.calls, issued_counts(groups))
+    fused, ways = host_us_in_rounds(fused_layers(groups, world, device), args.rounds, args.calls,
+                                    probe=issued_counts(groups))
     idle_group = dist.new_group(backend="tdist", pg_options={"communication": False})
-    reduce, _ = in_rounds({**all_reduce_layers(groups["sequential"], idle_group, device),
+    reduce, _ = host_us_in_rounds({**all_reduce_layers(groups["sequential"], idle_group, device),
                            **small_collective_layers(groups["sequential"], idle_group, world, device)},
                           args.rounds, 200)
+    fused, reduce = ({name: round(us, 1) for name, us in t.items()} for t in (fused, reduce))
     print(f"{rank} {fused}", flush=True)  # (one write a line: ranks' lines stay whole)
     print(f"{rank} how the calls ran, per group (sequential, pipelined) x (C++ sequential, C++ program, "
           f"C++ graph, overlapped in Python): {ways}", flush=True)

@@ -103,6 +103,30 @@ def symm_mem_all_reduces(inp: torch.Tensor, symm_name: str) -> dict:
     return calls if everywhere.item() else {}
 
 
+def host_us_in_rounds(calls: dict, rounds: int, n: int, warmup: int = 1, probe=None) -> tuple[dict, dict]:
+    """Host microseconds per call of each of ``calls`` (name -> one call) issued ``n`` times back
+    to back (issue only: the GPU is synchronised before and after, not inside), after ``warmup``
+    calls; every call's loop in turn in each of ``rounds`` rounds (a slow moment of the host
+    counts against each alike). Returns (name -> its median round, name -> what ``probe()``, a
+    tuple of counters, counted over its loops and their warm-ups: how the calls ran)."""
+    times, counted = {name: [] for name in calls}, {}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            before = probe() if probe else ()
+            for _ in range(warmup):
+                call()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            times[name].append((time.perf_counter() - start) / n * 1e6)
+            torch.cuda.synchronize()
+            after = probe() if probe else ()
+            counted[name] = [sum(x) for x in zip(counted.get(name, [0] * len(after)),
+                                                 (a - b for a, b in zip(after, before)))]
+    return {name: statistics.median(t) for name, t in times.items()}, counted
+
+
 def slowest(value: float, cpu_group) -> float:
     """The slowest rank's figure: a rank that finishes early (a broadcast source) proves nothing."""
     t = torch.tensor([value], dtype=torch.float64)
