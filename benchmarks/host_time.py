@@ -73,8 +73,8 @@ def all_reduce_layers(group, idle_group, device) -> dict:
     """A synchronous 4 KB all_reduce: through torch.distributed's Python function, the process
     group's C++ dispatch (no Python checks) and the backend's own call, tdist's and NCCL's;
     tdist's bookkeeping alone (``idle_group``, whose calls launch nothing: checks, stream order,
-    the end event, the watchdog's entry); torch symm_mem's two-shot all-reduce; a one-kernel
-    torch op for scale."""
+    the end event, the watchdog's entry), also under torch.distributed's function; torch
+    symm_mem's one-shot and two-shot all-reduces; a one-kernel torch op for scale."""
     x = torch.randn(1024, device=device)
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # (what dist.all_reduce passes: the call runs on the caller's stream)
@@ -86,9 +86,13 @@ def all_reduce_layers(group, idle_group, device) -> dict:
         layers[f"{name}: group.allreduce"] = lambda pg=pg: _wait(pg.allreduce([x], opts))
         layers[f"{name}: backend.allreduce"] = lambda b=backend: _wait(b.allreduce([x], opts))
     idle = idle_group._get_backend(device)
+    # (torch.distributed's layers over a backend whose own cost is only bookkeeping: the least
+    # host time any backend's dist.all_reduce can take, to set against symm_mem's whole call)
+    layers["tdist, launching nothing: dist.all_reduce"] = lambda: dist.all_reduce(x, group=idle_group)
     layers["tdist, launching nothing: backend.allreduce"] = lambda: _wait(idle.allreduce([x], opts))
     symm = symm_mem_all_reduces(x, symm_mem_group())
     if symm:
+        layers["symm_mem: one_shot_all_reduce"] = symm["symm_mem_one_shot"]
         layers["symm_mem: two_shot_all_reduce_"] = symm["symm_mem_two_shot"]
     layers["x.add_(1)"] = lambda: x.add_(1)
     return layers

@@ -1,6 +1,9 @@
-"""``torch.ops.tdist.all_gather_matmul`` and ``torch.ops.tdist.matmul_reduce_scatter``: the custom
-ops (the group passed by name), their checks, fake kernels and autograd, the sequential path, and
-the hand-over to an overlapped way (``fused.py``, ``pipelined.py``) as ``tuning.run`` chooses."""
+"""The Python side of the custom ops ``torch.ops.tdist.all_gather_matmul`` and
+``torch.ops.tdist.matmul_reduce_scatter`` (the group passed by name). Their schemas and dispatcher
+kernels are C++ (``csrc/fused_ops.cpp``): a call issued from C++ needs no Python. Here: what C++
+hands over to Python (the first call of a signature: the checks, the sequential path and the hand-over
+to an overlapped way, ``fused.py`` or ``pipelined.py``, as ``tuning.run`` chooses), the fake kernels,
+and autograd (an ``autograd.Function`` per op)."""
 
 from __future__ import annotations
 
@@ -131,16 +134,13 @@ def _ordered(backend, t: Tensor):
 
 
 # ---- tdist::all_gather_matmul --------------------------------------------------------------
-@torch.library.custom_op("tdist::all_gather_matmul", mutates_args=())
-def _all_gather_matmul(a_shard: Tensor, bs: list[Tensor], group_name: str, gather_dim: int,
-                       return_a: bool) -> tuple[Tensor, list[Tensor]]:
-    """(A gathered, [A gathered @ b for b in bs]). The gathered A always comes back (the backward
+def all_gather_matmul_impl(a_shard: Tensor, bs: list[Tensor], group_name: str, gather_dim: int,
+                           return_a: bool) -> tuple[Tensor, list[Tensor]]:
+    """(A gathered, [A gathered @ b for b in bs]): the op's kernel below autograd where C++ did
+    not issue the call (``csrc/fused_ops.cpp``). The gathered A always comes back (the backward
     needs it); gradients flow into it only with ``return_a``."""
     group = group_by_name(group_name)
     backend = _tdist_backend(group)
-    issued = backend.fused_all_gather_matmul(a_shard, bs, gather_dim, return_a, True)
-    if issued is not None:  # (a signature that ran before: issued from C++, csrc/fused_calls.cpp)
-        return issued
     dim = _checked_gather(a_shard, bs, gather_dim)
     _ordered(backend, a_shard)
     state = state_of(backend.executor)
@@ -207,17 +207,12 @@ def _checked_gather(a_shard, bs, gather_dim) -> int:
     return _dim("all_gather_matmul", "gather_dim", gather_dim, a_shard.dim())
 
 
-@_all_gather_matmul.register_fake
+@torch.library.register_fake("tdist::all_gather_matmul")
 def _(a_shard, bs, group_name, gather_dim, return_a):
     dim = _checked_gather(a_shard, bs, gather_dim)
     shape = list(a_shard.shape)
     shape[dim] *= group_by_name(group_name).size()
     return a_shard.new_empty(shape), [a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs]
-
-
-def _gather_setup(ctx, inputs, output):
-    _, bs, ctx.group_name, ctx.gather_dim, ctx.return_a = inputs
-    ctx.save_for_backward(output[0], *bs)
 
 
 def _gather_backward(ctx, grad_a_full, grad_outs):
@@ -233,21 +228,40 @@ def _gather_backward(ctx, grad_a_full, grad_outs):
     if ctx.return_a and grad_a_full is not None:
         extra = funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
         grad_a = extra if grad_a is None else grad_a + extra
-    return grad_a, grad_bs, None, None, None
+    return grad_a, grad_bs
 
 
-_all_gather_matmul.register_autograd(_gather_backward, setup_context=_gather_setup)
+class _AllGatherMatmul(torch.autograd.Function):
+    """The op where autograd records it (its tensors flattened: ``apply`` takes no lists)."""
+
+    @staticmethod
+    def forward(ctx, a_shard, group_name, gather_dim, return_a, *bs):
+        with torch._C._AutoDispatchBelowAutograd():
+            a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_a)
+        ctx.set_materialize_grads(False)  # (an output without a gradient gets None, not zeros)
+        ctx.group_name, ctx.gather_dim, ctx.return_a = group_name, gather_dim, return_a
+        ctx.save_for_backward(a_full, *bs)
+        return (a_full, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_a_full, *grad_outs):
+        grad_a, grad_bs = _gather_backward(ctx, grad_a_full, grad_outs)
+        return (grad_a, None, None, None, *grad_bs)
+
+
+def all_gather_matmul_autograd(a_shard, bs, group_name, gather_dim, return_a):
+    """The op's Autograd kernel where a gradient is to be recorded (``csrc/fused_ops.cpp``)."""
+    a_full, *outs = _AllGatherMatmul.apply(a_shard, group_name, gather_dim, return_a, *bs)
+    return a_full, outs
 
 
 # ---- tdist::matmul_reduce_scatter ----------------------------------------------------------
-@torch.library.custom_op("tdist::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter(a: Tensor, b: Tensor, group_name: str, scatter_dim: int,
-                           reduce_op: str) -> Tensor:
+def matmul_reduce_scatter_impl(a: Tensor, b: Tensor, group_name: str, scatter_dim: int,
+                               reduce_op: str) -> Tensor:
+    """This rank's shard of reduce_scatter(a @ b): the op's kernel below autograd where C++ did
+    not issue the call."""
     group = group_by_name(group_name)
     backend = _tdist_backend(group)
-    issued = backend.fused_matmul_reduce_scatter(a, b, scatter_dim, reduce_op, True)
-    if issued is not None:  # (a signature that ran before: issued from C++, csrc/fused_calls.cpp)
-        return issued
     world = group.size()
     dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
     _ordered(backend, a)
@@ -298,18 +312,13 @@ def _checked_scatter(a, b, world: int, scatter_dim: int, reduce_op: str) -> int:
     return dim
 
 
-@_matmul_reduce_scatter.register_fake
+@torch.library.register_fake("tdist::matmul_reduce_scatter")
 def _(a, b, group_name, scatter_dim, reduce_op):
     world = group_by_name(group_name).size()
     dim = _checked_scatter(a, b, world, scatter_dim, reduce_op)
     shape = [*a.shape[:-1], b.shape[1]]
     shape[dim] //= world
     return a.new_empty(shape)
-
-
-def _scatter_setup(ctx, inputs, output):
-    a, b, ctx.group_name, ctx.scatter_dim, ctx.reduce_op = inputs
-    ctx.save_for_backward(a, b)
 
 
 def _scatter_backward(ctx, grad_out):
@@ -319,10 +328,28 @@ def _scatter_backward(ctx, grad_out):
     # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
     gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
         grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
-    return grad_a, _weight_grad(a, gathered), None, None, None
+    return grad_a, _weight_grad(a, gathered)
 
 
-_matmul_reduce_scatter.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+class _MatmulReduceScatter(torch.autograd.Function):
+    """The op where autograd records it."""
+
+    @staticmethod
+    def forward(ctx, a, b, group_name, scatter_dim, reduce_op):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.tdist.matmul_reduce_scatter(a, b, group_name, scatter_dim, reduce_op)
+        ctx.group_name, ctx.scatter_dim, ctx.reduce_op = group_name, scatter_dim, reduce_op
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (*_scatter_backward(ctx, grad_out), None, None, None)
+
+
+def matmul_reduce_scatter_autograd(a, b, group_name, scatter_dim, reduce_op):
+    """The op's Autograd kernel where a gradient is to be recorded (``csrc/fused_ops.cpp``)."""
+    return _MatmulReduceScatter.apply(a, b, group_name, scatter_dim, reduce_op)
 
 
 def _weight_grad(x: Tensor, grad: Tensor) -> Tensor:
