@@ -1,16 +1,18 @@
 // The custom ops torch.ops.tdist.all_gather_matmul and
 // torch.ops.tdist.matmul_reduce_scatter: schemas and kernels registered with
-// the dispatcher from C++, so that a call (from torch.compile's code, DTensor,
-// the async-TP pass or autograd) reaches the group's C++ issue path
-// (fused_calls.cpp) without a Python frame. torch.library.custom_op's Python
-// layers cost 15-20 us of host time a call, as much as the call's own work.
+// the dispatcher from C++, so that a call that records no gradient (from
+// torch.compile's code, the async-TP pass, inference) reaches the group's C++
+// issue path (fused_calls.cpp) without a Python frame. torch.library.custom_op's
+// Python layers cost 15-20 us of host time a call, as much as the call's own
+// work.
 //
 // - Autograd key: a call that needs no gradient goes below autograd at once;
 //   one that does runs Python's autograd.Function (custom_ops.py), whose
 //   forward calls the op again, below autograd.
-// - CPU and CUDA keys: the signature's call issued from C++ where the group's
-//   tdist backend remembered it; else Python's implementation (the first call
-//   of a signature, tuning, the checks and their errors, another backend).
+// - CompositeExplicitAutograd (every device): the signature's call issued from
+//   C++ where the group's tdist backend remembered it; else Python's
+//   implementation (the first call of a signature, tuning, the checks and
+//   their errors, another backend or device).
 // - The fake kernels (torch.compile, meta tensors) are Python's
 //   (torch.library.register_fake in custom_ops.py).
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,28 +29,36 @@ namespace {
 using GatherResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;
 
 // torch_tdist.overlap.custom_ops.<name>, looked up once (kept for the life of
-// the process: released at exit, the interpreter may be gone).
+// the process: released at exit, the interpreter may be gone). Called with the
+// GIL held, which guards the map (an import may release it for a moment: a
+// second lookup of the same name then keeps the first object).
 py::object pythonFunction(const char* name) {
-  static std::mutex mutex;
   static auto* functions = new std::unordered_map<std::string, PyObject*>();
-  std::lock_guard<std::mutex> lock(mutex);
   auto found = functions->find(name);
   if (found == functions->end()) {
     py::object f = py::module_::import("torch_tdist.overlap.custom_ops").attr(name);
-    found = functions->emplace(name, f.release().ptr()).first;
+    found = functions->emplace(name, f.ptr()).first;
+    if (found->second == f.ptr()) {
+      f.release();
+    }
   }
   return py::reinterpret_borrow<py::object>(found->second);
 }
 
 // The tdist backend that serves `device` in the group named `groupName`, or
-// null (another backend, torch's debug wrapper, no such group: Python's path
+// none (another backend, torch's debug wrapper, no such group: Python's path
 // gives those their errors).
-ProcessGroupTDist* tdistBackend(const std::string& groupName, const c10::Device& device) {
+c10::intrusive_ptr<ProcessGroupTDist> tdistBackend(
+    const std::string& groupName,
+    const c10::Device& device) {
   try {
-    auto group = c10d::resolve_process_group(groupName);
-    return dynamic_cast<ProcessGroupTDist*>(group->getBackend(device.type()).get());
+    auto backend = c10d::resolve_process_group(groupName)->getBackend(device.type());
+    if (dynamic_cast<ProcessGroupTDist*>(backend.get()) == nullptr) {
+      return {};
+    }
+    return c10::static_intrusive_pointer_cast<ProcessGroupTDist>(backend);
   } catch (const std::exception&) {
-    return nullptr;
+    return {};
   }
 }
 
@@ -73,7 +83,7 @@ Result issuedOrPython(
     const Args&... args) {
   py::gil_scoped_acquire gil;
   py::object result = py::none();
-  if (auto* backend = tdistBackend(group, a.device())) {
+  if (auto backend = tdistBackend(group, a.device())) {
     result = issue(*backend);
   }
   if (result.is_none()) {
@@ -154,12 +164,16 @@ at::Tensor matmulReduceScatterAutograd(
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(tdist, m) {
+  // (as torch.library.custom_op tags its ops: torch.compile may keep them in
+  // a full graph where it allows only PT2-compliant ops)
   m.def(
       "all_gather_matmul(Tensor a_shard, Tensor[] bs, str group_name, int gather_dim, bool return_a)"
-      " -> (Tensor, Tensor[])");
+      " -> (Tensor, Tensor[])",
+      {at::Tag::pt2_compliant_tag});
   m.def(
       "matmul_reduce_scatter(Tensor a, Tensor b, str group_name, int scatter_dim, str reduce_op)"
-      " -> Tensor");
+      " -> Tensor",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(tdist, Autograd, m) {
@@ -167,12 +181,7 @@ TORCH_LIBRARY_IMPL(tdist, Autograd, m) {
   m.impl("matmul_reduce_scatter", matmulReduceScatterAutograd);
 }
 
-TORCH_LIBRARY_IMPL(tdist, CPU, m) {
-  m.impl("all_gather_matmul", allGatherMatmul);
-  m.impl("matmul_reduce_scatter", matmulReduceScatter);
-}
-
-TORCH_LIBRARY_IMPL(tdist, CUDA, m) {
+TORCH_LIBRARY_IMPL(tdist, CompositeExplicitAutograd, m) {
   m.impl("all_gather_matmul", allGatherMatmul);
   m.impl("matmul_reduce_scatter", matmulReduceScatter);
 }

@@ -238,7 +238,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, a_shard, group_name, gather_dim, return_a, *bs):
         with torch._C._AutoDispatchBelowAutograd():
             a_full, outs = torch.ops.tdist.all_gather_matmul(a_shard, list(bs), group_name, gather_dim, return_a)
-        ctx.set_materialize_grads(False)  # (an output without a gradient gets None, not zeros)
+        # (gradients stay materialised: an output one rank leaves unused gets zeros there, so
+        # every rank's backward issues the same collectives)
         ctx.group_name, ctx.gather_dim, ctx.return_a = group_name, gather_dim, return_a
         ctx.save_for_backward(a_full, *bs)
         return (a_full, *outs)
