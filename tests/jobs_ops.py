@@ -89,6 +89,42 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     chk.done()
 
 
+def frozen_weights(rank, ws, seed):
+    """Both ops with a B that needs no gradient (low-rank fine-tuning freezes them): A's gradient
+    is right, B gets none, and the backward makes no weight-gradient matmul."""
+    from torch_tdist.overlap import custom_ops
+
+    chk = Checker(rank, "frozen weights")
+    d = torch.float32
+    m, k, n = 3, 8, 5
+    weight_grads = []
+    real = custom_ops._weight_grad
+    custom_ops._weight_grad = lambda x, g: weight_grads.append(1) or real(x, g)
+    try:
+        a_full = _operand([ws * m, k], d, seed, 1)
+        b = {r: _operand([k, n], d, seed, 100 + r) for r in range(ws)}
+        w = {r: _operand([ws * m, n], d, seed, 200 + r) for r in range(ws)}
+        a_shard = a_full.chunk(ws)[rank].clone().requires_grad_()
+        frozen = b[rank].clone()
+        out = torch_tdist.ops.all_gather_matmul(a_shard, frozen)
+        (out * w[rank]).sum().backward()
+        grad_full = sum(w[r].double() @ b[r].double().t() for r in range(ws))
+        chk.products_close(a_shard.grad, grad_full.chunk(ws)[rank], "all_gather_matmul: grad of A's shard")
+
+        a = {r: _operand([ws * m, k], d, seed, 300 + r) for r in range(ws)}
+        v = {r: _operand([m, n], d, seed, 400 + r) for r in range(ws)}
+        mine_a = a[rank].clone().requires_grad_()
+        out = torch_tdist.ops.matmul_reduce_scatter(mine_a, b[rank].clone())
+        (out * v[rank]).sum().backward()
+        grad_c = torch.cat([v[r].double() for r in range(ws)])
+        chk.products_close(mine_a.grad, grad_c @ b[rank].double().t(), "matmul_reduce_scatter: grad of A")
+        chk.true(frozen.grad is None, "B's gradient", "a frozen B got a gradient")
+        chk.true(not weight_grads, "weight-gradient matmuls", f"{len(weight_grads)} made for frozen weights")
+    finally:
+        custom_ops._weight_grad = real
+    chk.done()
+
+
 def pipelined_reduce_scatter(rank, ws, dtype, seed, reduce_op, chunks):
     """The pipelined matmul_reduce_scatter (overlap.pipelined, BulkPath.reduce_scatter_pipelined),
     ``chunks`` chunks a part, twice on fresh operands into a poisoned output (the second call

@@ -111,6 +111,11 @@ def test_matmul_reduce_scatter(pool, dtype, reduce_op, seed):
     pool.run(J.matmul_reduce_scatter, dtype, seed, reduce_op)
 
 
+@ws_param([2])
+def test_frozen_weights_get_no_gradient_matmul(pool, seed):
+    pool.run(J.frozen_weights, seed)
+
+
 @ws_param([2, 3])
 def test_calls_issued_from_cpp(pool, seed):
     """A signature's later calls are issued by the C++ backend, bit for bit as Python made them."""

@@ -218,7 +218,9 @@ def _(a_shard, bs, group_name, gather_dim, return_a):
 def _gather_backward(ctx, grad_a_full, grad_outs):
     a_full, *bs = ctx.saved_tensors
     used = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
-    grad_bs = [None if g is None else _weight_grad(a_full, g) for g, b in zip(grad_outs, bs)]
+    # (a frozen weight, as in low-rank fine-tuning, gets no gradient: its matmul is skipped)
+    wanted = ctx.needs_input_grad[4:]  # (_AllGatherMatmul's inputs: a_shard, three options, *bs)
+    grad_bs = [None if g is None or not want else _weight_grad(a_full, g) for g, want in zip(grad_outs, wanted)]
     dim = ctx.gather_dim % a_full.dim()
     grad_a = None
     if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
@@ -329,7 +331,7 @@ def _scatter_backward(ctx, grad_out):
     # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
     gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
         grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
-    return grad_a, _weight_grad(a, gathered)
+    return grad_a, (_weight_grad(a, gathered) if ctx.needs_input_grad[1] else None)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
