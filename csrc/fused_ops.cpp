@@ -28,19 +28,15 @@ namespace {
 
 using GatherResult = std::tuple<at::Tensor, std::vector<at::Tensor>>;
 
-// torch_tdist.overlap.custom_ops.<name>, looked up once (kept for the life of
-// the process: released at exit, the interpreter may be gone). Called with the
-// GIL held, which guards the map (an import may release it for a moment: a
-// second lookup of the same name then keeps the first object).
+// torch_tdist.overlap.custom_ops.<name>, looked up once and kept for the
+// life of the process (never released: at exit the interpreter may be gone).
+// Called with the GIL held, which guards the map.
 py::object pythonFunction(const char* name) {
   static auto* functions = new std::unordered_map<std::string, PyObject*>();
   auto found = functions->find(name);
   if (found == functions->end()) {
     py::object f = py::module_::import("torch_tdist.overlap.custom_ops").attr(name);
-    found = functions->emplace(name, f.ptr()).first;
-    if (found->second == f.ptr()) {
-      f.release();
-    }
+    found = functions->emplace(name, f.release().ptr()).first;
   }
   return py::reinterpret_borrow<py::object>(found->second);
 }

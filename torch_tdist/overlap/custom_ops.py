@@ -215,24 +215,6 @@ def _(a_shard, bs, group_name, gather_dim, return_a):
     return a_shard.new_empty(shape), [a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs]
 
 
-def _gather_backward(ctx, grad_a_full, grad_outs):
-    a_full, *bs = ctx.saved_tensors
-    used = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
-    # (a frozen weight, as in low-rank fine-tuning, gets no gradient: its matmul is skipped)
-    wanted = ctx.needs_input_grad[4:]  # (_AllGatherMatmul's inputs: a_shard, three options, *bs)
-    grad_bs = [None if g is None or not want else _weight_grad(a_full, g) for g, want in zip(grad_outs, wanted)]
-    dim = ctx.gather_dim % a_full.dim()
-    grad_a = None
-    if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
-        grad_a = torch.ops.tdist.matmul_reduce_scatter(
-            torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
-            ctx.group_name, dim, "sum")
-    if ctx.return_a and grad_a_full is not None:
-        extra = funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
-        grad_a = extra if grad_a is None else grad_a + extra
-    return grad_a, grad_bs
-
-
 class _AllGatherMatmul(torch.autograd.Function):
     """The op where autograd records it (its tensors flattened: ``apply`` takes no lists)."""
 
@@ -248,7 +230,20 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_a_full, *grad_outs):
-        grad_a, grad_bs = _gather_backward(ctx, grad_a_full, grad_outs)
+        a_full, *bs = ctx.saved_tensors
+        used = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+        # (a frozen weight, as in low-rank fine-tuning, gets no gradient: its matmul is skipped)
+        wanted = ctx.needs_input_grad[4:]  # (the inputs' order: a_shard, three options, *bs)
+        grad_bs = [None if g is None or not want else _weight_grad(a_full, g) for g, want in zip(grad_outs, wanted)]
+        dim = ctx.gather_dim % a_full.dim()
+        grad_a = None
+        if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
+            grad_a = torch.ops.tdist.matmul_reduce_scatter(
+                torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
+                ctx.group_name, dim, "sum")
+        if ctx.return_a and grad_a_full is not None:
+            extra = funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
+            grad_a = extra if grad_a is None else grad_a + extra
         return (grad_a, None, None, None, *grad_bs)
 
 
@@ -324,16 +319,6 @@ def _(a, b, group_name, scatter_dim, reduce_op):
     return a.new_empty(shape)
 
 
-def _scatter_backward(ctx, grad_out):
-    a, b = ctx.saved_tensors
-    if ctx.reduce_op == "avg":
-        grad_out = grad_out / group_by_name(ctx.group_name).size()
-    # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
-    gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
-        grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
-    return grad_a, (_weight_grad(a, gathered) if ctx.needs_input_grad[1] else None)
-
-
 class _MatmulReduceScatter(torch.autograd.Function):
     """The op where autograd records it."""
 
@@ -347,7 +332,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*_scatter_backward(ctx, grad_out), None, None, None)
+        a, b = ctx.saved_tensors
+        if ctx.reduce_op == "avg":
+            grad_out = grad_out / group_by_name(ctx.group_name).size()
+        # the gradient of a @ b is grad_out gathered: grad_a = gathered @ b^T (the other op)
+        gathered, (grad_a,) = torch.ops.tdist.all_gather_matmul(
+            grad_out.contiguous(), [b.t()], ctx.group_name, ctx.scatter_dim, False)
+        grad_b = _weight_grad(a, gathered) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None, None, None
 
 
 def matmul_reduce_scatter_autograd(a, b, group_name, scatter_dim, reduce_op):
