@@ -97,6 +97,26 @@ void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
   }
 }
 
+// custom_ops._side_by_side: the Bs' columns side by side, transposes of row-major
+// matrices joined as those (a plain copy rather than a transposing one).
+at::Tensor sideBySide(const std::vector<at::Tensor>& bs) {
+  if (bs.size() == 1) {
+    return bs[0];
+  }
+  bool transposed = true;
+  for (const auto& b : bs) {
+    transposed = transposed && b.stride(0) == 1 && b.stride(1) == b.size(0);
+  }
+  if (!transposed) {
+    return at::cat(bs, 1);
+  }
+  std::vector<at::Tensor> rows;
+  for (const auto& b : bs) {
+    rows.push_back(b.t());
+  }
+  return at::cat(rows, 0).t();
+}
+
 std::vector<at::Tensor> together(const at::Tensor& a, const std::vector<at::Tensor>& bs) {
   std::vector<at::Tensor> all{a};
   all.insert(all.end(), bs.begin(), bs.end());
@@ -178,6 +198,7 @@ void ProcessGroupTDist::rememberFused(
     int64_t flag,
     py::object program,
     std::optional<at::Tensor> staging,
+    int64_t operands,
     py::object state,
     std::shared_ptr<FusedCounts> counts) {
   int index = op == kFusedOps[0] ? 0 : op == kFusedOps[1] ? 1 : -1;
@@ -201,6 +222,7 @@ void ProcessGroupTDist::rememberFused(
       it = stale ? fusedPlans_.erase(it) : std::next(it);
     }
   }
+  plan.operands = operands;
   plan.counts = std::move(counts);
   fusedPlans_[fusedKey(index, a, bs, dim < 0 ? dim + a.dim() : dim, flag)] = std::move(plan);
 }
@@ -280,19 +302,28 @@ py::object ProcessGroupTDist::fusedAllGatherMatmul(
   }
   // custom_ops._overlapped_all_gather_matmul, pipelined
   auto rows = asRows(a, dim);
-  auto b = bs.size() == 1 ? bs[0] : at::cat(bs, 1);
-  auto out = at::empty({size_ * rows.size(0), b.size(1)}, rows.options());
-  auto gathered = at::empty({size_ * rows.size(0), rows.size(1)}, rows.options());
-  runProgram(0, *plan, {rows, b, out, gathered});
-  std::vector<at::Tensor> outs;
-  if (bs.size() == 1) {
-    outs.push_back(out);
-  } else {
-    std::vector<int64_t> widths;
-    for (const auto& w : bs) {
-      widths.push_back(w.size(1));
+  auto m = size_ * rows.size(0);
+  std::vector<at::Tensor> roles{rows}, outs; // (roles: A, the Bs, their outputs, A gathered)
+  std::vector<int64_t> widths;
+  for (const auto& b : bs) {
+    widths.push_back(b.size(1));
+  }
+  if (plan->operands == static_cast<int64_t>(bs.size())) { // one matmul per B
+    roles.insert(roles.end(), bs.begin(), bs.end());
+    for (auto width : widths) {
+      outs.push_back(at::empty({m, width}, rows.options()));
     }
-    outs = out.split_with_sizes(widths, 1);
+  } else {
+    auto b = sideBySide(bs);
+    roles.push_back(b);
+    outs.push_back(at::empty({m, b.size(1)}, rows.options()));
+  }
+  roles.insert(roles.end(), outs.begin(), outs.end());
+  auto gathered = at::empty({m, rows.size(1)}, rows.options());
+  roles.push_back(gathered);
+  runProgram(0, *plan, roles);
+  if (outs.size() != bs.size()) {
+    outs = outs[0].split_with_sizes(widths, 1);
   }
   std::vector<at::Tensor> results;
   for (const auto& o : outs) {

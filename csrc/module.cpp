@@ -95,6 +95,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("flag"),
           py::arg("program"),
           py::arg("staging"),
+          py::arg("operands"),
           py::arg("state"),
           py::arg("counts"),
           "Issue later calls of this signature from C++: the sequential way "

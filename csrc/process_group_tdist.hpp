@@ -263,6 +263,7 @@ class ProcessGroupTDist : public c10d::Backend {
       int64_t flag,
       py::object program,
       std::optional<at::Tensor> staging,
+      int64_t operands,
       py::object state,
       std::shared_ptr<FusedCounts> counts);
 
@@ -459,6 +460,9 @@ class ProcessGroupTDist : public c10d::Backend {
   struct FusedPlan {
     std::shared_ptr<GilSafeObject> program, state; // program null: the sequential way
     at::Tensor staging;
+    // the B matrices the program multiplies by: all_gather_matmul's Bs one by one (their
+    // number) or side by side (1) (custom_ops.PER_B_MIN_COLUMNS)
+    int64_t operands = 1;
     std::shared_ptr<FusedCounts> counts;
   };
   std::vector<int64_t> fusedKey(

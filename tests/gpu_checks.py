@@ -216,7 +216,10 @@ def uneven_all_to_all(tg, rank, world, device, gen):
         _failures.append(f"all_to_all_single: {calls} calls, but stats {served}")
 
     # a pair too large for its mailbox (64M / (8 x world) on a 64M heap): its two ranks raise,
-    # the other pairs arrive, and the group goes on
+    # the other pairs arrive, and the group goes on (a pair of ranks: two or more)
+    if world < 2:
+        print(f"rank {rank}: uneven_all_to_all: the mailbox-overflow case needs 2 ranks; not checked", flush=True)
+        return
     small = _tdist_group({"uneven_all_to_all": "1", "heap_size": "64M"})
     splits = torch.full((world, world), 3)
     a2a_pair(small, splits, 512, torch.bfloat16, "on a 64M heap")  # (which makes the heap)
@@ -250,6 +253,9 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
     C++'s plan, the second is async); two CUDA graphs of such a call replayed in turn on fresh inputs; then a call whose splits
     rank 1 gets wrong (it expects fewer rows from rank 0 than rank 0 sends): no rank waits in
     vain, the group goes on, and with TDIST_CHECK_CALLS=1 rank 1 raises."""
+    if world < 2:
+        print(f"rank {rank}: uneven_all_to_all_in_turns needs 2 ranks; not checked", flush=True)
+        return
     row = 7168
 
     def splits_for(seed, most_rows):
@@ -320,6 +326,7 @@ def uneven_all_to_all_in_turns(tg, rank, world, device, gen):
 
 def subgroups(tg, rank, world, device, gen):
     if world < 4:
+        print(f"rank {rank}: subgroups needs 4 ranks; not checked", flush=True)
         return
     halves = [dist.new_group([0, 1], backend="tdist"), dist.new_group([2, 3], backend="tdist")]
     mine = halves[rank // 2]
@@ -672,9 +679,9 @@ def multi_round_plans(tg, rank, world, device, gen):
                 return out
             _check(f"rounds all_to_all_single #{trial}", *_pair(exchange, hg))
 
-            def broadcast(g, x=x):
-                t = x.clone() if rank == 1 else torch.full_like(x, 7.0)
-                dist.broadcast(t, 1, group=g)
+            def broadcast(g, x=x, root=min(1, world - 1)):
+                t = x.clone() if rank == root else torch.full_like(x, 7.0)
+                dist.broadcast(t, root, group=g)
                 return t
             _check(f"rounds broadcast #{trial}", *_pair(broadcast, hg))
         global _checked
@@ -711,6 +718,10 @@ def lowlatency_path(tg, rank, world, device, gen):
 
 
 def served_by_tdist(tg, rank, world, device, gen):
+    """Each op that tdist serves on GPUs was served by its kernels in every_op's calls."""
+    if every_op.__name__ not in _ran:
+        print(f"rank {rank}: served_by_tdist counts every_op's calls, which did not run; not checked", flush=True)
+        return
     stats = torch_tdist.stats(tg)
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
                "broadcast"):
@@ -852,7 +863,7 @@ def pipelined_graphs(tg, rank, world, device, gen):
             t.copy_(torch.randn(t.shape, device=device, generator=gen))
         for t in (out, a_out, rs_out):
             t.fill_(float("nan"))
-        if not (pipelined.all_gather_matmul(state, a, b, out, a_out, 2)
+        if not (pipelined.all_gather_matmul(state, a, [b], [out], a_out, 2)
                 and pipelined.matmul_reduce_scatter(state, rs_a, b, rs_out, "sum", 2)):
             _failures.append("pipelined_graphs: the heap did not take the pipelined ops")
             return
@@ -873,7 +884,12 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
     """Calls of torch_tdist.ops issued from C++ (csrc/fused_calls.cpp) after their signature's
     first call ran in Python: on the same inputs, every later call is bit for bit the first
     one's result (the sequential way, and the pipelined way's program, step by step and from
-    its CUDA graph); a new stride or dtype takes the Python path, still right."""
+    its CUDA graph); a new stride or dtype takes the Python path, still right. Also with several
+    Bs as nn.Linear weights come (transposes of row-major matrices): wide ones, which the
+    pipelined way multiplies one by one, and narrow ones, which it puts side by side
+    (custom_ops.PER_B_MIN_COLUMNS), their first results against torch.matmul."""
+    from torch_tdist.overlap.custom_ops import PER_B_MIN_COLUMNS
+
     ways = {"sequential": {"overlap": "sequential"}}
     if not NVSHMEM:
         ways["pipelined"] = {"overlap": "pipelined"}
@@ -881,19 +897,34 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
     a = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     b = torch.randn(k, n, device=device, generator=gen).to(torch.bfloat16)
     rs_a = torch.randn(world * m, k, device=device, generator=gen).to(torch.bfloat16)
+    weights = {label: [torch.randn(w, k, device=device, generator=gen).to(torch.bfloat16).t() for w in widths]
+               for label, widths in (("wide", (PER_B_MIN_COLUMNS, PER_B_MIN_COLUMNS + 128)), ("narrow", (256, 128)))}
+    a_full = torch.empty(world * m, k, device=device)
+    all_gather_single(a_full, a.float())
+
+    def same(x, y):
+        if isinstance(x, list):
+            return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
+        return torch.equal(x, y) and x.stride() == y.stride()
     global _checked
     for label, env in ways.items():
         og = _tdist_group(env)
         state = overlap.state(og)
         ops = {"all_gather_matmul": lambda: torch_tdist.ops.all_gather_matmul(a, b, group=og),
-               "matmul_reduce_scatter": lambda: torch_tdist.ops.matmul_reduce_scatter(rs_a, b, group=og)}
-        for i, (op, call) in enumerate(ops.items()):
+               "matmul_reduce_scatter": lambda: torch_tdist.ops.matmul_reduce_scatter(rs_a, b, group=og),
+               **{f"all_gather_matmul, {kind} Bs": lambda bs=bs: torch_tdist.ops.all_gather_matmul(a, bs, group=og)
+                  for kind, bs in weights.items()}}
+        for op, call in ops.items():
+            i = 1 if op == "matmul_reduce_scatter" else 0
             first = call()  # through Python
+            if op in (f"all_gather_matmul, {kind} Bs" for kind in weights):
+                for j, (got, w) in enumerate(zip(first, weights[op.split()[1]])):
+                    _relative(f"{label} {op}, output {j}", got, a_full @ w.float())
             issued = (state.issued.sequential[i], state.issued.program[i], state.issued.graph[i])
             for j in range(1, calls):
                 again = call()  # (each call's output freed before the next: its graph finds it again)
                 _checked += 1
-                if not (torch.equal(again, first) and again.stride() == first.stride()):
+                if not same(again, first):
                     _failures.append(f"{label} {op} call {j}: issued from C++, differs from the Python path's")
                 del again
             now = (state.issued.sequential[i], state.issued.program[i], state.issued.graph[i])
@@ -906,8 +937,6 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
         before = (list(state.issued.sequential), list(state.issued.program), list(state.issued.graph))
         b_cols = b.t().contiguous().t()
         out = torch_tdist.ops.all_gather_matmul(a, b_cols, group=og)
-        a_full = torch.empty(world * m, k, device=device)
-        all_gather_single(a_full, a.float())
         _relative(f"{label} all_gather_matmul, B column-major", out, a_full @ b.float())
         if (list(state.issued.sequential), list(state.issued.program), list(state.issued.graph)) != before:
             _failures.append(f"{label}: a call with B column-major was issued from C++")
@@ -957,7 +986,7 @@ def pipelined_tf32_switch(tg, rank, world, device, gen):
                 a.copy_(torch.randn(a.shape, device=device, generator=gen))
                 b.copy_(torch.randn(b.shape, device=device, generator=gen))
                 out.fill_(float("nan"))
-                if not pipelined.all_gather_matmul(state, a, b, out, a_out, 2):
+                if not pipelined.all_gather_matmul(state, a, [b], [out], a_out, 2):
                     _failures.append("pipelined_tf32_switch: the heap did not take the pipelined op")
                     return
                 a_full = torch.empty(world * m, k, device=device, dtype=torch.float64)
@@ -1009,7 +1038,7 @@ def pipelined_back_to_back(tg, rank, world, device, gen):
             if (i + rank) % world == 0:
                 torch.cuda._sleep(100_000 * (1 + rank))  # tens of microseconds
             if kind == "ag":
-                ok = pipelined.all_gather_matmul(state, x, b, outs[0], outs[1], 2)
+                ok = pipelined.all_gather_matmul(state, x, [b], [outs[0]], outs[1], 2)
             elif kind == "rs":
                 ok = pipelined.matmul_reduce_scatter(state, x, b, outs[0], "sum", 2)
             else:
@@ -1217,6 +1246,7 @@ def symm_mem_coexists(tg, rank, world, device, gen):
 
 
 NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
+_ran = set()  # the checks that ran to their end
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
           streamed_path, twoshot_path, multi_round_plans, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
@@ -1252,6 +1282,7 @@ def main():
         # stack and ends the run, rather than using up the whole run's time limit.
         faulthandler.dump_traceback_later(CHECK_TIMEOUT_S, exit=True)
         check(tg, rank, world, device, gen)
+        _ran.add(check.__name__)
         torch.cuda.synchronize()
         faulthandler.cancel_dump_traceback_later()
         status = "ok" if len(_failures) == before else f"FAILED ({len(_failures) - before})"

@@ -109,6 +109,29 @@ def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
     return _row_major(rows)
 
 
+# An all_gather_matmul of several B matrices (q, k and v; an MLP's gate and up projections) runs
+# the pipelined way as one matmul per B and chunk, each into an output of its own, where every B
+# is at least PER_B_MIN_COLUMNS wide. Otherwise the Bs go side by side as one matrix (a copy),
+# and its product is copied apart into the outputs the op returns, as the fused way always does:
+# narrow matmuls lose more in chunks than the copies cost. One H200, 8192 rows in 8 chunks, bf16:
+# K 8192 and Bs 7168 + 7168 wide (70B-shaped layer, 4 ranks): per B 3095 us, side by side 2833 us
+# + 118 (the Bs joined) + 267 (the outputs copied apart); Bs 2048 + 256 + 256: per B 628 us,
+# side by side 500 + 24 + 57.
+PER_B_MIN_COLUMNS = 1024
+
+
+def _side_by_side(bs: list[Tensor]) -> Tensor:
+    """The B matrices as one, their columns side by side. Bs that are transposes of row-major
+    matrices (nn.Linear weights as the compiled graph passes them) are joined as those, into a
+    transposed result: a plain copy, where a row-major result transposes as it copies (7.8x the
+    time for two 7168 x 8192 bf16 weights on an H200). C++ joins them alike (csrc/fused_calls.cpp)."""
+    if len(bs) == 1:
+        return bs[0]
+    if all(b.stride(0) == 1 and b.stride(1) == b.shape[0] for b in bs):
+        return torch.cat([b.t() for b in bs], dim=0).t()
+    return torch.cat(bs, dim=1)
+
+
 def _watched(backend, op: str, run, state, *args) -> bool:
     """``run(state, *args)``, an overlapped way (it returns whether it ran), checked and
     watched as the group's collectives are (``backend``: the group's): it raises once the group
@@ -176,11 +199,14 @@ def _remember(group, backend, state, op: str, served: list, a: Tensor, bs: list[
     if not isinstance(group._get_backend(a.device), type(backend)):
         return
     if way == "sequential":
-        backend.remember_fused(op, a, bs, dim, flag, None, None, state, state.issued)
+        backend.remember_fused(op, a, bs, dim, flag, None, None, 1, state, state.issued)
     elif way is not None and way[0] == "pipelined" and last is not None:
         program, roles = last
         staging = roles[3] if op == "matmul_reduce_scatter" else None
-        backend.remember_fused(op, a, bs, dim, flag, program, staging, state, state.issued)
+        # the Bs the program multiplies by: all_gather_matmul's roles are A, those Bs, as many
+        # outputs and the gathered A (PER_B_MIN_COLUMNS)
+        operands = (len(roles) - 2) // 2 if op == "all_gather_matmul" else 1
+        backend.remember_fused(op, a, bs, dim, flag, program, staging, operands, state, state.issued)
 
 
 def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, state, world: int, way: tuple,
@@ -189,16 +215,20 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, st
     heap cannot take it. The ways gather rows (``_as_rows``, ``_from_rows``)."""
     k = a_shard.shape[-1]
     a = _as_rows(a_shard, dim)
-    b = bs[0] if len(bs) == 1 else torch.cat(bs, dim=1)
-    out = a.new_empty((world * a.shape[0], b.shape[1]))
-    a_full = a.new_empty((world * a.shape[0], k))
     kind, setting = way
-    if not _watched(backend, "all_gather_matmul", WAY_KINDS[kind].all_gather_matmul, state, a, b, out, a_full,
-                    setting):
+    widths, rows = [b.shape[1] for b in bs], world * a.shape[0]
+    if kind == "pipelined" and min(widths) >= PER_B_MIN_COLUMNS:
+        operands, outs = list(bs), [a.new_empty((rows, w)) for w in widths]
+    else:
+        operands, outs = [_side_by_side(bs)], [a.new_empty((rows, sum(widths)))]
+    a_full = a.new_empty((rows, k))
+    if not _watched(backend, "all_gather_matmul", WAY_KINDS[kind].all_gather_matmul, state, a, operands, outs,
+                    a_full, setting):
         return None
     shape = list(a_shard.shape)
     shape[dim] *= world
-    outs = [out] if len(bs) == 1 else out.split([w.shape[1] for w in bs], dim=1)
+    if len(outs) != len(bs):
+        outs = outs[0].split(widths, dim=1)
     return _from_rows(a_full, shape, dim), [_from_rows(o, shape[:-1] + [o.shape[1]], dim) for o in outs]
 
 

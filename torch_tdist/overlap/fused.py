@@ -21,13 +21,15 @@ GEMM_CONFIGS = ([{"BM": 16, "BN": 16, "BK": 16}] if language.INTERPRET else
 GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
 
 
-def all_gather_matmul(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+def all_gather_matmul(state, a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor],
                       a_out: torch.Tensor, tiles: dict = GEMM_CONFIGS[0]) -> bool:
     """``out`` = all_gather(``a``) @ ``b`` and ``a_out`` = all_gather(``a``) over ``state``'s
-    group, the matmul taking each peer's rows as they land; ``a`` [m, K] and ``out``
-    [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many rows
-    as the bulk area holds. False, having done nothing, when not one row fits."""
+    group, the matmul taking each peer's rows as they land; ``a`` [m, K], ``bs`` [b] (one
+    kernel makes one product: the caller puts several Bs side by side) and ``outs`` [out],
+    out [world * m, N], ``a_out`` contiguous. On the caller's stream; in rounds of as many
+    rows as the bulk area holds. False, having done nothing, when not one row fits."""
     op = "all_gather_matmul"
+    (b,), (out,) = bs, outs
     m, k = a.shape
     n, dtype = b.shape[1], a.dtype
     rounds = state.rounds(op, a, m, k)

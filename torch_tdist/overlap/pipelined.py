@@ -36,11 +36,12 @@ def _end_pieces(moved_bytes: int, flop: int) -> int:
     return END_PIECES if moved_bytes / COPY_BYTES_PER_US > flop / MATMUL_FLOP_PER_US else 1
 
 
-def all_gather_matmul(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+def all_gather_matmul(state, a: torch.Tensor, bs: list[torch.Tensor], outs: list[torch.Tensor],
                       a_out: torch.Tensor, chunks: int) -> bool:
-    """What ``fused.all_gather_matmul`` makes, by the copy engines and torch.matmul: each peer's
-    rows, in ``chunks`` pieces, are pulled into ``a_out`` and multiplied on the caller's
-    stream as they land (``BulkPath.all_gather_pulled``); this rank's own first."""
+    """What ``fused.all_gather_matmul`` makes, by the copy engines and torch.matmul, for each B
+    of ``bs`` into its output of ``outs``: each peer's rows, in ``chunks`` pieces, are pulled
+    into ``a_out`` and multiplied on the caller's stream as they land
+    (``BulkPath.all_gather_pulled``); this rank's own first."""
     op = "all_gather_matmul"
     m, k = a.shape
     rounds = _rounds(state, op, a, m, k, chunks, pulled=True)
@@ -48,22 +49,24 @@ def all_gather_matmul(state, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
         return False
     executor = state.executor
     bulk, world = executor.bulk, executor.world_size
-    pieces = _end_pieces((world - 1) * a.numel() * a.element_size(), 2 * world * a.numel() * b.shape[1])
+    columns = sum(b.shape[1] for b in bs)
+    pieces = _end_pieces((world - 1) * a.numel() * a.element_size(), 2 * world * a.numel() * columns)
 
     def calls():
         for row0, rows, chunk in rounds:
 
             def consume(rank, start, piece, stream):
                 r0, count = rank * m + row0 + start // k, piece.numel() // k
-                bulk.matmul(piece.view(count, k), b, out[r0:r0 + count], stream)
+                for b, out in zip(bs, outs):
+                    bulk.matmul(piece.view(count, k), b, out[r0:r0 + count], stream)
 
             a_round = a[row0:row0 + rows].reshape(-1)
             # a_out's rows of this round, rank by rank: contiguous per rank, so a strided view
             gathered = a_out.view(world, m * k)[:, row0 * k:(row0 + rows) * k]
             executor.bulk_call(op, lambda op_, word, _, flat: bulk.all_gather_pulled(
-                op_, word, flat, gathered, chunk, consume, row=k, end_pieces=pieces), out, a_round)
+                op_, word, flat, gathered, chunk, consume, row=k, end_pieces=pieces), outs[0], a_round)
 
-    state.replays.recorded(op, (op, chunks), [a, b, out, a_out], calls)
+    state.replays.recorded(op, (op, chunks), [a, *bs, *outs, a_out], calls)
     return True
 
 
