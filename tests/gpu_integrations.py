@@ -7,7 +7,9 @@ Run by ``tests/test_gpu.py`` (pytest -m gpu) on the device. ``styles``: a llama-
 against torch's styles on an NCCL mesh. ``compiled``: the block with torch's styles, compiled by
 Inductor after ``async_tp.enable``, on a tdist mesh (tdist's overlapped ops must run the fused
 regions, a batch of 1 as torchtitan's benchmark has it) and on an NCCL mesh with torch's
-symmetric memory (torch's kernels, tdist not called), each against the same model run eagerly. Relative errors (norm of the difference over the norm)
+symmetric memory (torch's kernels, tdist not called), each against the same model run eagerly.
+``compiled_summed_scatter``: the reduce-scatter of a sum of matmuls, compiled, fused into one of
+tdist's ops, against NCCL. Relative errors (norm of the difference over the norm)
 <= 2e-2 in bf16. Prints one line per check and exits non-zero if any failed.
 """
 
@@ -126,7 +128,44 @@ def compiled(rank, world, device):
             _clear_grads(fast)
 
 
-CHECKS = [styles, compiled]
+def compiled_summed_scatter(rank, world, device):
+    """The reduce-scatter of a sum of matmuls along the sequence (the form of a block's input
+    gradient in the backward, batch 1), compiled after ``async_tp.enable``: tdist's pre-pass
+    joins the matmuls, the pass fuses the scatter into tdist's op (one fused region), and the
+    result matches NCCL's reduce-scatter of the sum computed in float32; Bs row-major and
+    transposed (as nn.Linear weights multiply)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from torch_tdist import async_tp
+
+    if world < 2:  # (a scatter over one rank reaches Inductor as a plain slice: nothing to fuse)
+        print(f"rank {rank}: compiled_summed_scatter needs 2 ranks; not checked", flush=True)
+        return
+    tg = _tdist_group({"overlap": "pipelined"})
+    async_tp.enable(tg)
+    m, n, ks = 256 * world, 512, (384, 128, 128)
+    gen = torch.Generator(device).manual_seed(3 + rank)
+
+    def summed_scatter(a0, a1, a2, b0, b1, b2):
+        return funcol.reduce_scatter_tensor(a0 @ b0 + a1 @ b1 + a2 @ b2, "sum", 1, tg)
+
+    for layout in ("row-major", "transposed"):
+        a_s = [torch.randn(1, m, k, device=device, generator=gen).to(torch.bfloat16) for k in ks]
+        b_s = [(torch.randn(k, n, device=device, generator=gen) if layout == "row-major"
+                else torch.randn(n, k, device=device, generator=gen).t()).to(torch.bfloat16) for k in ks]
+        served = dict(async_tp.served)
+        got = torch.compile(summed_scatter)(*a_s, *b_s)
+        full = sum(a.float() @ b.float() for a, b in zip(a_s, b_s))
+        want = torch.empty(1, m // world, n, device=device)
+        dist.reduce_scatter_tensor(want.view(m // world, n), full.view(m, n))  # (NCCL; batch 1: along dim 0)
+        _relative(f"compiled summed scatter, Bs {layout}", got, want, TOLERANCE)
+        regions = {op: async_tp.served[op] - served.get(op, 0) for op in async_tp.served}
+        gpu_checks._checked += 1
+        if regions.get("fused_matmul_reduce_scatter", 0) != 1:
+            _failures.append(f"compiled summed scatter, Bs {layout}: fused regions {regions}; expected one scatter")
+
+
+CHECKS = [styles, compiled, compiled_summed_scatter]
 
 
 def main():

@@ -5,6 +5,7 @@ eager."""
 
 from __future__ import annotations
 
+import operator
 import os
 import subprocess
 import sys
@@ -31,10 +32,12 @@ TORCH_PATH_HAS_SPACE = any(c.isspace() for c in os.path.dirname(torch.__file__))
 @pytest.mark.skipif(TORCH_PATH_HAS_SPACE, reason="torch is installed under a path with a space, where "
                     "Inductor's CPU kernels fail to link (torch's C++ build does not quote the path)")
 @ws_param([2])
-@pytest.mark.parametrize("batch", [1, 2], ids=["batch1", "batch2"])
-def test_compiled_mlp_runs_tdist_ops(pool, seed, batch):
-    """Batch 1 gathers reach Inductor in another form (async_tp._RestoreGatherDims)."""
-    pool.run(J.compiled_mlp, seed, batch, timeout=600)
+@pytest.mark.parametrize("batch,prepared", [(1, True), (2, False)], ids=["batch1-input-prepared", "batch2"])
+def test_compiled_mlp_runs_tdist_ops(pool, seed, batch, prepared):
+    """Batch 1 gathers reach Inductor in another form (async_tp._restore_gather_dims); an input
+    prepared once for w1 and w3 (torchtitan's plan) makes the backward scatter a sum of matmuls
+    (async_tp._join_summed_matmuls)."""
+    pool.run(J.compiled_mlp, seed, batch, prepared, timeout=600)
 
 
 def test_import_changes_nothing():
@@ -63,14 +66,14 @@ def test_gather_pass_keeps_earlier_passes():
         async_tp._install_gather_pass()
         installed = torch._inductor.config.post_grad_custom_pre_pass
         if hasattr(custom_graph_pass, "get_custom_graph_passes"):
-            assert installed[0] is earlier and isinstance(installed[1], async_tp._RestoreGatherDims), installed
+            assert installed[0] is earlier and isinstance(installed[1], async_tp._PrepareForMicroPipeline), installed
         else:
             assert installed is earlier
         async_tp._install_gather_pass()
         assert torch._inductor.config.post_grad_custom_pre_pass == installed
     with torch._inductor.config.patch(post_grad_custom_pre_pass=None):
         async_tp._install_gather_pass()
-        assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, async_tp._RestoreGatherDims)
+        assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, async_tp._PrepareForMicroPipeline)
 
 
 def _gathered_matmul_graph(group_name: str, gather_used_elsewhere: bool = False, matmul: bool = True):
@@ -98,8 +101,17 @@ def _gathered_matmul_graph(group_name: str, gather_used_elsewhere: bool = False,
     return graph
 
 
-def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch):
-    """_RestoreGatherDims turns the reshaped gather of a tdist group into cat(split(...)) along
+@pytest.fixture
+def pass_on(monkeypatch):
+    """What makes tdist's pre-pass act: the micro-pipeline pass on, as if NCCL were built in
+    (config.patch: monkeypatch would delete the option from Inductor's config afterwards)."""
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    with torch._inductor.config.patch(_micro_pipeline_tp=True):
+        yield
+
+
+def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch, pass_on):
+    """_restore_gather_dims turns the reshaped gather of a tdist group into cat(split(...)) along
     dimension 1, and leaves it (a view, no copy) for another group, for a gather used elsewhere
     too and for one no matmul takes: there the micro-pipeline pass would not fuse it."""
     import torch
@@ -108,11 +120,9 @@ def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch):
 
     monkeypatch.setattr(async_tp, "_is_tdist", lambda name: name == "tdist")
     monkeypatch.setattr(async_tp.symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
-    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(torch._inductor.config, "_micro_pipeline_tp", True)
 
     def cats(graph):
-        async_tp._RestoreGatherDims()(graph)
+        async_tp._PrepareForMicroPipeline()(graph)
         graph.lint()
         return [n for n in graph.nodes if n.target is torch.ops.aten.cat.default]
 
@@ -122,3 +132,85 @@ def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch):
     assert not cats(_gathered_matmul_graph("nccl"))
     assert not cats(_gathered_matmul_graph("tdist", gather_used_elsewhere=True))
     assert not cats(_gathered_matmul_graph("tdist", matmul=False))
+
+
+def _summed_matmuls_graph(group_name: str, weights: str = "row-major", term_used_elsewhere: bool = False):
+    """The post-grad graph of a block's input gradient in the backward (2 ranks, batch 1), as
+    Inductor writes it: a sum of three reshaped matmuls, scattered along dimension 1 (split ->
+    cat -> reduce_scatter -> wait). The graph also returns the sum (to evaluate it after the
+    rewrite). ``weights``: the Bs "row-major", or "transposed" (permutes of row-major [N, K])."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    m, n, ks = 8, 16, (4, 2, 2)
+    graph = torch.fx.Graph()
+    with FakeTensorMode() as mode:
+        def node(target, args):
+            made = graph.call_function(target, args)
+            made.meta["val"] = target(*torch.fx.node.map_arg(args, lambda x: x.meta["val"]))
+            return made
+        terms = []
+        for i, k in enumerate(ks):
+            a, b = graph.placeholder(f"a{i}"), graph.placeholder(f"b{i}")
+            a.meta["val"] = mode.from_tensor(torch.empty(m, k))
+            b.meta["val"] = mode.from_tensor(torch.empty(k, n) if weights == "row-major" else torch.empty(n, k))
+            if weights != "row-major":
+                b = node(aten.permute.default, (b, [1, 0]))
+            terms.append(node(aten.reshape.default, (node(aten.mm.default, (a, b)), [1, m, n])))
+        summed = node(aten.add.Tensor, (node(aten.add.Tensor, (terms[0], terms[1])), terms[2]))
+        split = node(aten.split.Tensor, (summed, m // 2, 1))
+        parts = [graph.call_function(operator.getitem, (split, i)) for i in range(2)]
+        for i, part in enumerate(parts):
+            part.meta["val"] = split.meta["val"][i]
+        wait = node(c10d.wait_tensor.default,
+                    (node(c10d.reduce_scatter_tensor.default, (node(aten.cat.default, (parts, 0)), "sum", 2, group_name)),))
+    graph.output((wait, summed, terms[1]) if term_used_elsewhere else (wait, summed))
+    return graph, ks, (m, n)
+
+
+def test_summed_matmuls_join_where_the_pass_fuses(monkeypatch, pass_on):
+    """_join_summed_matmuls makes the reduce-scatter of a sum of matmuls (a block's input
+    gradient) the reduce-scatter of one matmul over the operands joined along K, as the
+    micro-pipeline pass fuses it, with the same value (fresh random operands, weights row-major
+    and transposed); it leaves the graph alone for another group's reduce-scatter and where a
+    term is used elsewhere too."""
+    import torch
+
+    from torch_tdist import async_tp
+
+    monkeypatch.setattr(async_tp, "_is_tdist", lambda name: name == "tdist")
+    monkeypatch.setattr(async_tp.symm_mem, "is_symm_mem_enabled_for_group", lambda name: True)
+    aten = torch.ops.aten
+
+    def matmuls(graph):
+        return [x for x in graph.nodes if x.target is aten.mm.default]
+
+    for weights in ("row-major", "transposed"):
+        graph, ks, (m, n) = _summed_matmuls_graph("tdist", weights)
+        async_tp._PrepareForMicroPipeline()(graph)
+        graph.lint()
+        (mm,) = matmuls(graph)
+        # the micro-pipeline pass's form: reshape(mm(reshape(A), B)) feeding the scatter's split
+        scattered = next(x for x in graph.nodes if x.target is aten.split.Tensor).args[0]
+        assert scattered.target is aten.reshape.default and scattered.args[0] is mm
+        assert mm.args[0].target is aten.reshape.default
+        assert tuple(mm.meta["val"].shape) == (m, n) and tuple(mm.args[1].meta["val"].shape) == (sum(ks), n)
+        assert not [x for x in graph.nodes if x.target is aten.add.Tensor]
+        # its value: the sum's, on fresh random operands
+        output = next(x for x in graph.nodes if x.op == "output")
+        output.args = ((output.args[0][1],),)
+        for x in reversed(list(graph.nodes)):  # (the scatter too: a collective counts as having effects)
+            if x.op == "call_function" and not x.users:
+                graph.erase_node(x)
+        inputs = []
+        for k in ks:
+            inputs.append(torch.randn(m, k, dtype=torch.float64))
+            inputs.append(torch.randn(k, n, dtype=torch.float64) if weights == "row-major"
+                          else torch.randn(n, k, dtype=torch.float64))
+        (got,) = torch.fx.GraphModule(torch.nn.Module(), graph)(*inputs)
+        want = sum(a @ (b if weights == "row-major" else b.t()) for a, b in zip(inputs[::2], inputs[1::2]))
+        torch.testing.assert_close(got, want.reshape(1, m, n))
+    for graph in (_summed_matmuls_graph("nccl")[0], _summed_matmuls_graph("tdist", term_used_elsewhere=True)[0]):
+        async_tp._PrepareForMicroPipeline()(graph)
+        assert len(matmuls(graph)) == 3

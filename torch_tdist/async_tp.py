@@ -13,8 +13,9 @@ group, and makes those two ops run tdist's (``torch.ops.tdist.all_gather_matmul`
 
 Groups of other backends keep torch's kernels; importing this module changes nothing until
 ``enable`` is called. ``served`` counts the fused regions tdist ran. ``enable`` also adds one
-Inductor pass of its own (``_RestoreGatherDims``) so that a batch-1 sequence-parallel gather of a
-tdist group is recognised by the micro-pipeline pass. Torch runs the pass only
+Inductor pass of its own (``_PrepareForMicroPipeline``) so that the micro-pipeline pass
+recognises two more forms on tdist groups: a batch-1 sequence-parallel gather, and the
+reduce-scatter of a sum of matmuls (a block's input gradient in the backward). Torch runs the pass only
 where it was built with NCCL (its GPU builds). Gathers along the last dimension, dtypes other
 than bf16, fp16 and fp32, and the fp8 (scaled) forms are not overlapped by tdist: the first two
 run torch's sequential form on the tdist group, the last torch's symm_mem kernels.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 import operator
 import warnings
 
@@ -167,49 +169,176 @@ def _torch_layout(op: str, *args):
     return strides
 
 
-class _RestoreGatherDims(CustomGraphPass):
-    """Post-grad pre-pass: a gather along dim d > 0 whose leading dimensions are all 1 (a
-    sequence-parallel batch of 1) reaches Inductor as a reshape of the dim-0 gather (funcol
-    returns a view where no copy is needed), a form the micro-pipeline pass does not take for an
-    all-gather. Where the pass will fuse it (a tdist group with symmetric memory, the gather's
-    only use that reshape, which feeds an N-D matmul the pass takes), this spells the reshape the
-    way funcol spells every other gather along d, cat(split(gathered)); the fused op then
-    gathers straight into place and the cat never runs. Elsewhere the graph is left alone."""
+class _PrepareForMicroPipeline(CustomGraphPass):
+    """Post-grad pre-pass: two forms of a tdist group's collectives that the micro-pipeline pass
+    does not fuse, rewritten into forms it does (``_restore_gather_dims``,
+    ``_join_summed_matmuls``), where it will fuse them (a tdist group with symmetric memory).
+    Elsewhere the graph is left alone. (One pass: torch 2.11 takes only one.)"""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if not (torch._inductor.config._micro_pipeline_tp and dist.is_nccl_available()):
-            return  # (the pass would not run: a cat would stay where a view was)
-        c10d = torch.ops._c10d_functional
-        for wait in list(graph.nodes):
-            gather = wait.args[0] if wait.target is c10d.wait_tensor.default else None
-            if not (isinstance(gather, torch.fx.Node) and gather.target is c10d.all_gather_into_tensor.default):
-                continue
-            group_name = gather.kwargs.get("group_name", gather.args[2] if len(gather.args) > 2 else None)
-            if group_name is None or not symm_mem.is_symm_mem_enabled_for_group(group_name) \
-                    or not _is_tdist(group_name) or len(wait.users) != 1:
-                continue
-            shard, world = gather.args[0].meta["val"], gather.args[1]
-            reshape = next(iter(wait.users))
-            dim = _reshaped_gather_dim(reshape, shard.shape, world)
-            if dim is None or not _feeds_matmul(reshape):
-                continue
-            with graph.inserting_before(reshape):
-                # the pass's pattern is split(gathered, size) with the dimension (0) left unsaid, as
-                # funcol's chunk writes it; the size is the shard's first, which is 1 here
-                split = graph.call_function(torch.ops.aten.split.Tensor, (wait, shard.shape[0]))
-                split.meta["val"] = torch.ops.aten.split.Tensor(wait.meta["val"], shard.shape[0])
-                parts = [graph.call_function(operator.getitem, (split, i)) for i in range(world)]
-                for i, part in enumerate(parts):
-                    part.meta["val"] = split.meta["val"][i]
-                cat = graph.call_function(torch.ops.aten.cat.default, (parts, dim))
-                cat.meta["val"] = torch.ops.aten.cat.default([p.meta["val"] for p in parts], dim)
-                for node in (split, *parts, cat):
-                    node.meta["stack_trace"] = reshape.meta.get("stack_trace")
-            reshape.replace_all_uses_with(cat)
-            graph.erase_node(reshape)
+            return  # (the pass would not run: the rewrites would only add copies)
+        _restore_gather_dims(graph)
+        _join_summed_matmuls(graph)
 
     def uuid(self):
         return get_hash_for_files((__file__,))
+
+
+def _fused_here(group_name) -> bool:
+    """Whether the micro-pipeline pass fuses this group's collectives into tdist's ops."""
+    return group_name is not None and symm_mem.is_symm_mem_enabled_for_group(group_name) and _is_tdist(group_name)
+
+
+def _new_node(graph: torch.fx.Graph, like: torch.fx.Node, target, args):
+    """A node computing ``target(*args)``, its value's metadata computed from its arguments'."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda n: n.meta["val"]))
+    node.meta["stack_trace"] = like.meta.get("stack_trace")
+    return node
+
+
+def _restore_gather_dims(graph: torch.fx.Graph) -> None:
+    """A gather along dim d > 0 whose leading dimensions are all 1 (a sequence-parallel batch of
+    1) reaches Inductor as a reshape of the dim-0 gather (funcol returns a view where no copy is
+    needed), a form the micro-pipeline pass does not take for an all-gather. Where the gather's
+    only use is that reshape, which feeds an N-D matmul the pass takes, this spells the reshape
+    the way funcol spells every other gather along d, cat(split(gathered)); the fused op then
+    gathers straight into place and the cat never runs."""
+    c10d = torch.ops._c10d_functional
+    for wait in list(graph.nodes):
+        gather = wait.args[0] if wait.target is c10d.wait_tensor.default else None
+        if not (isinstance(gather, torch.fx.Node) and gather.target is c10d.all_gather_into_tensor.default):
+            continue
+        group_name = gather.kwargs.get("group_name", gather.args[2] if len(gather.args) > 2 else None)
+        if not _fused_here(group_name) or len(wait.users) != 1:
+            continue
+        shard, world = gather.args[0].meta["val"], gather.args[1]
+        reshape = next(iter(wait.users))
+        dim = _reshaped_gather_dim(reshape, shard.shape, world)
+        if dim is None or not _feeds_matmul(reshape):
+            continue
+        with graph.inserting_before(reshape):
+            # the pass's pattern is split(gathered, size) with the dimension (0) left unsaid, as
+            # funcol's chunk writes it; the size is the shard's first, which is 1 here
+            split = _new_node(graph, reshape, torch.ops.aten.split.Tensor, (wait, shard.shape[0]))
+            parts = [graph.call_function(operator.getitem, (split, i)) for i in range(world)]
+            for i, part in enumerate(parts):
+                part.meta["val"] = split.meta["val"][i]
+                part.meta["stack_trace"] = reshape.meta.get("stack_trace")
+            cat = _new_node(graph, reshape, torch.ops.aten.cat.default, (parts, dim))
+        reshape.replace_all_uses_with(cat)
+        graph.erase_node(reshape)
+
+
+def _join_summed_matmuls(graph: torch.fx.Graph) -> None:
+    """A reduce-scatter of a sum of matmuls: a tensor-parallel block's input gradient in the
+    backward, dq @ Wq + dk @ Wk + dv @ Wv, or the MLP's dh1 @ W1 + dh3 @ W3 (their weights
+    column-sharded). The micro-pipeline pass fuses a reduce-scatter with the one matmul that
+    makes its input only, so this makes the sum one matmul over the operands joined along K,
+    cat(dq, dk, dv) @ cat(Wq, Wk, Wv). The joins are copies (of a sharded weight, and of the
+    gradients where Inductor does not write them into place); the reduce-scatter they let
+    overlap takes longer."""
+    c10d = torch.ops._c10d_functional
+    for scatter in list(graph.nodes):
+        if scatter.target is not c10d.reduce_scatter_tensor.default:
+            continue
+        group_name = scatter.kwargs.get("group_name", scatter.args[3] if len(scatter.args) > 3 else None)
+        if not _fused_here(group_name):
+            continue
+        summed = _scattered(scatter.args[0])
+        terms, reshaped = _matmul_terms(summed)
+        if not terms:
+            continue
+        aten = torch.ops.aten
+        with graph.inserting_before(summed):
+            if reshaped:  # the pass's form: reshape(mm(reshape(A), B)), A of the product's leading dimensions
+                lead = list(summed.meta["val"].shape[:-1])
+                a = _new_node(graph, summed, aten.cat.default, ([_leading(graph, a, lead) for a, _ in terms], len(lead)))
+                a = _new_node(graph, summed, aten.reshape.default, (a, [math.prod(lead), a.meta["val"].shape[-1]]))
+            else:
+                a = _new_node(graph, summed, aten.cat.default, ([a for a, _ in terms], 1))
+            b = _joined_rows(graph, summed, [b for _, b in terms])
+            product = _new_node(graph, summed, aten.mm.default, (a, b))
+            if reshaped:
+                product = _new_node(graph, summed, aten.reshape.default, (product, list(summed.meta["val"].shape)))
+        summed.replace_all_uses_with(product)
+        _erase_unused(graph, summed)
+
+
+def _scattered(node: torch.fx.Node) -> torch.fx.Node:
+    """What a reduce-scatter's input scatters: x where it is cat(split(x, n, d)) (funcol's
+    scatter along d > 0), else itself."""
+    if node.target is torch.ops.aten.cat.default and node.args[0] and all(
+            part.target is operator.getitem for part in node.args[0]):
+        splits = {part.args[0] for part in node.args[0]}
+        if len(splits) == 1:
+            split = next(iter(splits))
+            if split.target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
+                return split.args[0]
+    return node
+
+
+def _is_sum(node: torch.fx.Node) -> bool:
+    return (node.target is torch.ops.aten.add.Tensor and len(node.args) == 2 and not node.kwargs
+            and all(isinstance(x, torch.fx.Node) for x in node.args))
+
+
+def _matmul_terms(node: torch.fx.Node) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node]], bool]:
+    """([(A, B)], whether each product is reshaped) where ``node`` is a sum of two or more
+    products A @ B, each an mm or the reshape of one (all alike, of one shape and dtype), the
+    sums and products used only there; else ([], False)."""
+    if not _is_sum(node):
+        return [], False
+    leaves, pending = [], [node]
+    while pending:
+        x = pending.pop()
+        if _is_sum(x) and (x is node or len(x.users) == 1):
+            pending.extend(reversed(x.args))
+        else:
+            leaves.append(x)
+    terms, forms = [], set()
+    aten = torch.ops.aten
+    for leaf in leaves:
+        mm = leaf.args[0] if leaf.target is aten.reshape.default else leaf
+        if mm.target is not aten.mm.default or len(leaf.users) != 1 or len(mm.users) != 1:
+            return [], False
+        forms.add((leaf.target, tuple(leaf.meta["val"].shape), leaf.meta["val"].dtype))
+        terms.append(tuple(mm.args))
+    if len(forms) != 1:
+        return [], False
+    return terms, next(iter(forms))[0] is aten.reshape.default
+
+
+def _leading(graph: torch.fx.Graph, a: torch.fx.Node, lead: list) -> torch.fx.Node:
+    """The matrix ``a`` [M, K] with its M rows as the leading dimensions ``lead``: what ``a``
+    reshapes where it is such a reshape, else a reshape of it."""
+    if a.target is torch.ops.aten.reshape.default and list(a.args[0].meta["val"].shape[:-1]) == lead:
+        return a.args[0]
+    return _new_node(graph, a, torch.ops.aten.reshape.default, (a, [*lead, a.meta["val"].shape[-1]]))
+
+
+def _joined_rows(graph: torch.fx.Graph, like: torch.fx.Node, bs: list[torch.fx.Node]) -> torch.fx.Node:
+    """cat(bs) along the rows (K). Transposes of row-major matrices (how a weight multiplies
+    in some graphs) are joined as those, into a transposed result: a plain copy, where a
+    row-major result would transpose as it copies."""
+    aten = torch.ops.aten
+    if all(b.meta["val"].stride(0) == 1 and b.meta["val"].stride(1) == b.meta["val"].shape[0] for b in bs):
+        rows = [_new_node(graph, like, aten.permute.default, (b, [1, 0])) for b in bs]
+        return _new_node(graph, like, aten.permute.default,
+                         (_new_node(graph, like, aten.cat.default, (rows, 1)), [1, 0]))
+    return _new_node(graph, like, aten.cat.default, (bs, 0))
+
+
+def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erases ``node`` and what it used, as far as nothing else uses them (a sum's terms)."""
+    pending = [node]
+    while pending:
+        x = pending.pop()
+        if x.op == "call_function" and not x.users:
+            inputs = list(x.all_input_nodes)
+            graph.erase_node(x)
+            pending.extend(inputs)
 
 
 def _reshaped_gather_dim(node, shard_shape, world: int) -> int | None:
@@ -238,18 +367,18 @@ def _feeds_matmul(node) -> bool:
 
 
 def _install_gather_pass():
-    """Adds _RestoreGatherDims to Inductor's post-grad pre-passes: the only one, or after those
+    """Adds _PrepareForMicroPipeline to Inductor's post-grad pre-passes: the only one, or after those
     already there where this torch takes a list (torch 2.13 does, 2.11 does not: a pass already
     there is kept and batch-1 gathers stay unfused, with a warning)."""
     config = torch._inductor.config
     present = config.post_grad_custom_pre_pass
     passes = list(present) if isinstance(present, (list, tuple)) else [] if present is None else [present]
-    if any(isinstance(p, _RestoreGatherDims) for p in passes):
+    if any(isinstance(p, _PrepareForMicroPipeline) for p in passes):
         return
     if not passes:
-        config.post_grad_custom_pre_pass = _RestoreGatherDims()
+        config.post_grad_custom_pre_pass = _PrepareForMicroPipeline()
     elif hasattr(custom_graph_pass, "get_custom_graph_passes"):  # (what runs a list of them)
-        config.post_grad_custom_pre_pass = [*passes, _RestoreGatherDims()]
+        config.post_grad_custom_pre_pass = [*passes, _PrepareForMicroPipeline()]
     else:
         warnings.warn("torch_tdist.async_tp.enable: torch._inductor.config.post_grad_custom_pre_pass already "
                       "holds a pass and this torch takes only one; tdist's pass, which lets a batch-1 "
