@@ -51,7 +51,7 @@ def test_import_changes_nothing():
     assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_gather_pass_keeps_earlier_passes():
+def test_pre_pass_keeps_earlier_passes():
     """enable()'s post-grad pre-pass joins one the user installed before (after it, in a list,
     where torch takes lists), and is installed once however often enable() runs."""
     import torch
@@ -63,16 +63,16 @@ def test_gather_pass_keeps_earlier_passes():
         pass
 
     with torch._inductor.config.patch(post_grad_custom_pre_pass=earlier):
-        async_tp._install_gather_pass()
+        async_tp._install_pre_pass()
         installed = torch._inductor.config.post_grad_custom_pre_pass
         if hasattr(custom_graph_pass, "get_custom_graph_passes"):
             assert installed[0] is earlier and isinstance(installed[1], async_tp._PrepareForMicroPipeline), installed
         else:
             assert installed is earlier
-        async_tp._install_gather_pass()
+        async_tp._install_pre_pass()
         assert torch._inductor.config.post_grad_custom_pre_pass == installed
     with torch._inductor.config.patch(post_grad_custom_pre_pass=None):
-        async_tp._install_gather_pass()
+        async_tp._install_pre_pass()
         assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, async_tp._PrepareForMicroPipeline)
 
 
@@ -134,11 +134,13 @@ def test_gather_pass_rewrites_only_what_the_pass_fuses(monkeypatch, pass_on):
     assert not cats(_gathered_matmul_graph("tdist", matmul=False))
 
 
-def _summed_matmuls_graph(group_name: str, weights: str = "row-major", term_used_elsewhere: bool = False):
+def _summed_matmuls_graph(group_name: str, weights: str = "row-major", used_elsewhere: str = "",
+                          scatter_dim: int = 1):
     """The post-grad graph of a block's input gradient in the backward (2 ranks, batch 1), as
-    Inductor writes it: a sum of three reshaped matmuls, scattered along dimension 1 (split ->
-    cat -> reduce_scatter -> wait). The graph also returns the sum (to evaluate it after the
-    rewrite). ``weights``: the Bs "row-major", or "transposed" (permutes of row-major [N, K])."""
+    Inductor writes it: a sum of three reshaped matmuls, scattered along ``scatter_dim`` as
+    funcol writes it (split -> cat -> reduce_scatter -> wait). ``weights``: the Bs "row-major",
+    or "transposed" (permutes of row-major [N, K]); ``used_elsewhere``: "sum" or "term" also
+    returned by the graph."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -159,23 +161,25 @@ def _summed_matmuls_graph(group_name: str, weights: str = "row-major", term_used
                 b = node(aten.permute.default, (b, [1, 0]))
             terms.append(node(aten.reshape.default, (node(aten.mm.default, (a, b)), [1, m, n])))
         summed = node(aten.add.Tensor, (node(aten.add.Tensor, (terms[0], terms[1])), terms[2]))
-        split = node(aten.split.Tensor, (summed, m // 2, 1))
+        split = node(aten.split.Tensor, (summed, (m if scatter_dim == 1 else n) // 2, scatter_dim))
         parts = [graph.call_function(operator.getitem, (split, i)) for i in range(2)]
         for i, part in enumerate(parts):
             part.meta["val"] = split.meta["val"][i]
         wait = node(c10d.wait_tensor.default,
-                    (node(c10d.reduce_scatter_tensor.default, (node(aten.cat.default, (parts, 0)), "sum", 2, group_name)),))
-    graph.output((wait, summed, terms[1]) if term_used_elsewhere else (wait, summed))
+                    (node(c10d.reduce_scatter_tensor.default, (node(aten.cat.default, (parts,)), "sum", 2, group_name)),))
+    graph.output((wait, *{"sum": [summed], "term": [terms[1]]}.get(used_elsewhere, [])))
     return graph, ks, (m, n)
 
 
 def test_summed_matmuls_join_where_the_pass_fuses(monkeypatch, pass_on):
     """_join_summed_matmuls makes the reduce-scatter of a sum of matmuls (a block's input
-    gradient) the reduce-scatter of one matmul over the operands joined along K, as the
-    micro-pipeline pass fuses it, with the same value (fresh random operands, weights row-major
-    and transposed); it leaves the graph alone for another group's reduce-scatter and where a
-    term is used elsewhere too."""
+    gradient) the reduce-scatter of one matmul over the operands joined along K, which Inductor's
+    micro-pipeline pass then fuses into symm_mem's fused_matmul_reduce_scatter, with the sum's
+    value (fresh random operands, weights row-major and transposed). It leaves the graph alone
+    for another group's reduce-scatter, a sum or a term used elsewhere too, and a scatter along
+    the last dimension: there nothing would be fused, and the joins would only add copies."""
     import torch
+    from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
 
     from torch_tdist import async_tp
 
@@ -187,6 +191,11 @@ def test_summed_matmuls_join_where_the_pass_fuses(monkeypatch, pass_on):
         return [x for x in graph.nodes if x.target is aten.mm.default]
 
     for weights in ("row-major", "transposed"):
+        fused, _, _ = _summed_matmuls_graph("tdist", weights)
+        async_tp._PrepareForMicroPipeline()(fused)
+        micro_pipeline_tp_pass(fused)
+        assert [x for x in fused.nodes if x.target is torch.ops.symm_mem.fused_matmul_reduce_scatter.default], \
+            f"Bs {weights}: the micro-pipeline pass fused nothing:\n{fused}"
         graph, ks, (m, n) = _summed_matmuls_graph("tdist", weights)
         async_tp._PrepareForMicroPipeline()(graph)
         graph.lint()
@@ -199,7 +208,7 @@ def test_summed_matmuls_join_where_the_pass_fuses(monkeypatch, pass_on):
         assert not [x for x in graph.nodes if x.target is aten.add.Tensor]
         # its value: the sum's, on fresh random operands
         output = next(x for x in graph.nodes if x.op == "output")
-        output.args = ((output.args[0][1],),)
+        output.args = ((scattered,),)
         for x in reversed(list(graph.nodes)):  # (the scatter too: a collective counts as having effects)
             if x.op == "call_function" and not x.users:
                 graph.erase_node(x)
@@ -211,6 +220,9 @@ def test_summed_matmuls_join_where_the_pass_fuses(monkeypatch, pass_on):
         (got,) = torch.fx.GraphModule(torch.nn.Module(), graph)(*inputs)
         want = sum(a @ (b if weights == "row-major" else b.t()) for a, b in zip(inputs[::2], inputs[1::2]))
         torch.testing.assert_close(got, want.reshape(1, m, n))
-    for graph in (_summed_matmuls_graph("nccl")[0], _summed_matmuls_graph("tdist", term_used_elsewhere=True)[0]):
+    for label, graph in (("another group", _summed_matmuls_graph("nccl")[0]),
+                         ("the sum used elsewhere", _summed_matmuls_graph("tdist", used_elsewhere="sum")[0]),
+                         ("a term used elsewhere", _summed_matmuls_graph("tdist", used_elsewhere="term")[0]),
+                         ("along the last dimension", _summed_matmuls_graph("tdist", scatter_dim=2)[0])):
         async_tp._PrepareForMicroPipeline()(graph)
-        assert len(matmuls(graph)) == 3
+        assert len(matmuls(graph)) == 3, label

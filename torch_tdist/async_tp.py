@@ -61,7 +61,7 @@ def enable(group_or_mesh=None) -> None:
     _override_fused_ops()
     enable_symm_mem(group.group_name)
     torch._inductor.config._micro_pipeline_tp = True
-    _install_gather_pass()
+    _install_pre_pass()
 
 
 def enable_symm_mem(group_name: str) -> None:
@@ -244,9 +244,13 @@ def _join_summed_matmuls(graph: torch.fx.Graph) -> None:
         if scatter.target is not c10d.reduce_scatter_tensor.default:
             continue
         group_name = scatter.kwargs.get("group_name", scatter.args[3] if len(scatter.args) > 3 else None)
-        if not _fused_here(group_name):
-            continue
         summed = _scattered(scatter.args[0])
+        value = summed.meta.get("val")
+        # (tdist overlaps no scatter along the last dimension, nor other dtypes: the joins would
+        # only add copies; nor a sum used elsewhere, which the pass leaves unfused)
+        if not _fused_here(group_name) or value is None or value.dtype not in DTYPES or len(summed.users) != 1 \
+                or (summed is not scatter.args[0] and _split_dim(summed) % value.dim() == value.dim() - 1):
+            continue
         terms, reshaped = _matmul_terms(summed)
         if not terms:
             continue
@@ -267,16 +271,23 @@ def _join_summed_matmuls(graph: torch.fx.Graph) -> None:
 
 
 def _scattered(node: torch.fx.Node) -> torch.fx.Node:
-    """What a reduce-scatter's input scatters: x where it is cat(split(x, n, d)) (funcol's
-    scatter along d > 0), else itself."""
-    if node.target is torch.ops.aten.cat.default and node.args[0] and all(
-            part.target is operator.getitem for part in node.args[0]):
+    """What a reduce-scatter's input scatters: x where it is cat(split(x, n, d)) as funcol
+    writes a scatter along d > 0 (the form the pass takes: the cat's dimension left unsaid),
+    else itself."""
+    if node.target is torch.ops.aten.cat.default and len(node.args) == 1 and not node.kwargs and node.args[0] \
+            and all(part.target is operator.getitem for part in node.args[0]):
         splits = {part.args[0] for part in node.args[0]}
         if len(splits) == 1:
             split = next(iter(splits))
             if split.target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
                 return split.args[0]
     return node
+
+
+def _split_dim(node: torch.fx.Node) -> int:
+    """The dimension along which ``node``'s one user, a split, splits it."""
+    split = next(iter(node.users))
+    return split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
 
 
 def _is_sum(node: torch.fx.Node) -> bool:
@@ -303,7 +314,10 @@ def _matmul_terms(node: torch.fx.Node) -> tuple[list[tuple[torch.fx.Node, torch.
         mm = leaf.args[0] if leaf.target is aten.reshape.default else leaf
         if mm.target is not aten.mm.default or len(leaf.users) != 1 or len(mm.users) != 1:
             return [], False
-        forms.add((leaf.target, tuple(leaf.meta["val"].shape), leaf.meta["val"].dtype))
+        shape, (m, n) = tuple(leaf.meta["val"].shape), mm.meta["val"].shape
+        if shape[-1] != n or math.prod(shape[:-1]) != m:  # (a reshape of the product's rows only)
+            return [], False
+        forms.add((leaf.target, shape, leaf.meta["val"].dtype))
         terms.append(tuple(mm.args))
     if len(forms) != 1:
         return [], False
@@ -332,13 +346,13 @@ def _joined_rows(graph: torch.fx.Graph, like: torch.fx.Node, bs: list[torch.fx.N
 
 def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """Erases ``node`` and what it used, as far as nothing else uses them (a sum's terms)."""
-    pending = [node]
+    pending, erased = [node], set()
     while pending:
         x = pending.pop()
-        if x.op == "call_function" and not x.users:
-            inputs = list(x.all_input_nodes)
+        if x not in erased and x.op == "call_function" and not x.users and not x.is_impure():
+            erased.add(x)
+            pending.extend(x.all_input_nodes)
             graph.erase_node(x)
-            pending.extend(inputs)
 
 
 def _reshaped_gather_dim(node, shard_shape, world: int) -> int | None:
@@ -366,10 +380,10 @@ def _feeds_matmul(node) -> bool:
                for flat in node.users if flat.target is reshape for product in flat.users)
 
 
-def _install_gather_pass():
+def _install_pre_pass():
     """Adds _PrepareForMicroPipeline to Inductor's post-grad pre-passes: the only one, or after those
     already there where this torch takes a list (torch 2.13 does, 2.11 does not: a pass already
-    there is kept and batch-1 gathers stay unfused, with a warning)."""
+    there is kept, and batch-1 gathers and summed scatters stay unfused, with a warning)."""
     config = torch._inductor.config
     present = config.post_grad_custom_pre_pass
     passes = list(present) if isinstance(present, (list, tuple)) else [] if present is None else [present]
@@ -382,4 +396,5 @@ def _install_gather_pass():
     else:
         warnings.warn("torch_tdist.async_tp.enable: torch._inductor.config.post_grad_custom_pre_pass already "
                       "holds a pass and this torch takes only one; tdist's pass, which lets a batch-1 "
-                      "sequence-parallel gather fuse, is not installed", stacklevel=3)
+                      "sequence-parallel gather and a reduce-scatter of summed matmuls fuse, is not "
+                      "installed", stacklevel=3)

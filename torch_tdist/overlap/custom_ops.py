@@ -113,10 +113,11 @@ def _from_rows(rows: Tensor, shape: list[int], dim: int) -> Tensor:
 # the pipelined way as one matmul per B and chunk, each into an output of its own, where every B
 # is at least PER_B_MIN_COLUMNS wide. Otherwise the Bs go side by side as one matrix (a copy),
 # and its product is copied apart into the outputs the op returns, as the fused way always does:
-# narrow matmuls lose more in chunks than the copies cost. One H200, 8192 rows in 8 chunks, bf16:
-# K 8192 and Bs 7168 + 7168 wide (70B-shaped layer, 4 ranks): per B 3095 us, side by side 2833 us
-# + 118 (the Bs joined) + 267 (the outputs copied apart); Bs 2048 + 256 + 256: per B 628 us,
-# side by side 500 + 24 + 57.
+# narrow matmuls lose more in chunks than the copies cost. Matmuls alone on one H200, bf16, 8192
+# rows in 8 chunks (the pipelined way's on 4 ranks), K 8192, the Bs of a 70B-shaped layer at TP=4:
+# gate and up 7168 + 7168 columns: one by one 3095 us, side by side 2833 us + 118 (the Bs
+# joined) + 267 (the outputs copied apart); q, k, v 2048 + 256 + 256: one by one 628 us, side by
+# side 500 + 24 + 57.
 PER_B_MIN_COLUMNS = 1024
 
 

@@ -169,6 +169,12 @@ class ProgramReplay:
         executor = self.executor
         heap = executor.heap
         extents = [(t.data_ptr(), t.numel() * t.element_size(), t.dtype) for t in roles]
+        # roles whose memory interleaves (the same B twice, column slices of one weight) would leave
+        # an address to the first of them, which another call's tensors need not share: not recorded
+        spans = sorted((t.data_ptr(), t.data_ptr() + (1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride())))
+                        * t.element_size()) for t in roles if t.numel())
+        if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+            return None
         lasting = {heap.ctx.data_ptr()}
 
         def locate(address: int, dtype=None):
