@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from tests.multiproc import RankPool, backend_under_test, is_tdist
+from tests.multiproc import RankPool, backend_under_test, is_tdist, shutdown_all
 
 _POOLS: dict = {}
 
@@ -42,8 +42,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for pool in list(_POOLS.values()):
-        pool.shutdown()
+    shutdown_all(_POOLS.values())
     _POOLS.clear()
 
 

@@ -20,7 +20,7 @@ def _operand(shape, d, seed, salt):
     return rand(shape, d, shared_gen(seed, salt), "sum")
 
 
-SHAPES = {"small": (3, 8, [5, 4, 6]), "tiles": (37, 40, [50, 18, 33]), "big": (300, 40, [50])}  # m, k, [n per B]
+SHAPES = {"small": (3, 8, [5, 4, 6]), "tiles": (37, 40, [50, 18, 33]), "big": (150, 40, [50])}  # m, k, [n per B]
 
 
 def all_gather_matmul(rank, ws, dtype, seed, gather_dim, n_bs, shape="small", fused=False):
@@ -65,7 +65,7 @@ def matmul_reduce_scatter(rank, ws, dtype, seed, reduce_op, shape="small", fused
     rows r of OP_r(A_r @ B_r)."""
     chk = Checker(rank, f"matmul_reduce_scatter[{dtype}, {reduce_op}, {shape}, dim {scatter_dim}]")
     d = dt(dtype)
-    m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50), "big": (300, 40, 50)}[shape]
+    m, k, n = {"small": (3, 6, 5), "tiles": (37, 40, 50), "big": (150, 40, 50)}[shape]
     lead = [ws * m] if scatter_dim == 0 else [2, ws * m]
     state = torch_tdist.overlap.state()
     fused_before = state.fused_calls["matmul_reduce_scatter"]

@@ -21,7 +21,7 @@ API::
     results = pool.run(fn, *args, timeout=60)  # list of per-rank results
     errs = pool.run_expect_error(fn, *args, exc_types=(ValueError,),
                                  match=("tdist",))  # every rank must raise
-    pool.shutdown()
+    pool.shutdown()                            # shutdown_all(pools): several at once
 
 If a rank raises, ``run`` raises :class:`JobError` (an AssertionError) with
 every failing rank's traceback.  If a rank does not answer within
@@ -267,11 +267,10 @@ _LIVE_POOLS: "weakref.WeakSet[RankPool]" = weakref.WeakSet()
 
 
 def _shutdown_all_pools():
-    for pool in list(_LIVE_POOLS):
-        try:
-            pool.shutdown(grace_s=2.0)
-        except Exception:  # noqa: BLE001
-            pass
+    try:
+        shutdown_all(list(_LIVE_POOLS), grace_s=2.0)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 atexit.register(_shutdown_all_pools)
@@ -285,6 +284,18 @@ class _Generation:
     logdir: str
     log_paths: list
     pids: list = field(default_factory=list)
+
+
+def shutdown_all(pools, grace_s: float = 10.0) -> None:
+    """Stops ``pools`` together (politely, then by force): every pool is asked before any is
+    waited for, so that their ranks' exits (a second or two each: process groups and heaps go)
+    overlap."""
+    pools = list(pools)
+    for pool in pools:
+        pool._ask_to_stop()
+    deadline = time.monotonic() + grace_s
+    for pool in pools:
+        pool._stop_by(deadline)
 
 
 class RankPool:
@@ -431,16 +442,18 @@ class RankPool:
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop the rank processes (politely, then by force)."""
-        gen = self._gen
-        if gen is None:
-            return
-        for conn in gen.conns:
+        shutdown_all([self], grace_s)
+
+    def _ask_to_stop(self) -> None:
+        for conn in (self._gen.conns if self._gen is not None else []):
             try:
                 conn.send_bytes(b"")
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + grace_s
-        for proc in gen.procs:
+
+    def _stop_by(self, deadline: float) -> None:
+        """Wait for the rank processes until ``deadline`` (time.monotonic), then end them."""
+        for proc in (self._gen.procs if self._gen is not None else []):
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._teardown()
 

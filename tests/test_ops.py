@@ -11,7 +11,7 @@ import pytest
 
 from tests import jobs_ops as J
 from tests.helpers import skip_on, ws_param
-from tests.multiproc import RankPool, backend_under_test
+from tests.multiproc import RankPool, backend_under_test, shutdown_all
 
 
 pytestmark = skip_on("gloo", "torch_tdist.ops needs a tdist group")
@@ -58,8 +58,7 @@ def small_heap_pool(world_size, request):
 
 
 def teardown_module():
-    for pool in _FUSED.values():
-        pool.shutdown()
+    shutdown_all(_FUSED.values())
     _FUSED.clear()
 
 
@@ -159,9 +158,9 @@ def test_ops_bad_input(pool, case):
 
 @ws_param([2])
 def test_overlapped_ops_larger_than_the_heap_go_in_rounds(small_heap_pool, seed):
-    # about 1600 float32 per rank's part fit the 64K heap's bulk slots: 300 x 40 shards of A
-    # take 8 rounds (4 when pulled: a part may fill the area), 300 x 50 parts of the product
-    # 10; gradients go through both overlapped ops
+    # about 1600 float32 per rank's part fit the 64K heap's bulk slots: 150 x 40 shards of A
+    # take 4 rounds (2 when pulled: a part may fill the area), 150 x 50 parts of the product
+    # 5; gradients go through both overlapped ops
     small_heap_pool.run(J.all_gather_matmul, "float32", seed, 0, 1, "big", True, timeout=240)
     small_heap_pool.run(J.matmul_reduce_scatter, "float32", seed, "avg", "big", True, timeout=240)
     small_heap_pool.run(J.all_gather_matmul, "bfloat16", seed, 0, 3, "tiles", True, timeout=240)
