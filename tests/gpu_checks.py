@@ -887,8 +887,8 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
     its CUDA graph); a new stride or dtype takes the Python path, still right. Also with several
     Bs as nn.Linear weights come (transposes of row-major matrices): wide ones, which the
     pipelined way multiplies one by one, and narrow ones, which it puts side by side
-    (custom_ops.PER_B_MIN_COLUMNS), their first results against torch.matmul; and Bs that share
-    memory, which no program records."""
+    (custom_ops.PER_B_MIN_COLUMNS), their first results against torch.matmul; and wide Bs that
+    share memory, which go side by side."""
     from torch_tdist.overlap.custom_ops import PER_B_MIN_COLUMNS
 
     ways = {"sequential": {"overlap": "sequential"}}
@@ -917,9 +917,13 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
                   for kind, bs in weights.items()}}
         for op, call in ops.items():
             i = 1 if op == "matmul_reduce_scatter" else 0
+            overlapped = state.fused_calls["all_gather_matmul"]
             with _launches_of(pipelined, "all_gather_matmul", lambda args: len(args[2])) as operands:
                 first = call()  # through Python
             if op in (f"all_gather_matmul, {kind} Bs" for kind in weights):
+                _checked += 1
+                if state.fused_calls["all_gather_matmul"] - overlapped != (label == "pipelined"):
+                    _failures.append(f"{label} {op}: the first call was not served as its way says")
                 kind = op.split()[1]
                 for j, (got, w) in enumerate(zip(first, weights[kind])):
                     _relative(f"{label} {op}, output {j}", got, a_full @ w.float())
@@ -941,19 +945,21 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
             if (want is not None and from_cpp != want) or (want is None and (from_cpp[0] or sum(from_cpp) != calls - 1
                                                                             or from_cpp[2] == 0)):
                 _failures.append(f"{label} {op}: calls issued from C++ (sequential, program, graph) {from_cpp}")
-        # Bs that share memory (the same B twice; column slices of one matrix) are not recorded (an
-        # address in both would be bound to the first, which a later call's Bs need not share):
-        # every call runs in Python, and is right
+        # wide Bs that share memory (the same B twice; column slices of one matrix) go side by side
+        # (one by one, a recorded program would bind an address in both to the first, which a
+        # later call's Bs need not share), and are right on every call
         packed = torch.randn(k, 2 * PER_B_MIN_COLUMNS, device=device, generator=gen).to(torch.bfloat16)
         for kind, bs in (("the same B twice", [weights["wide"][0]] * 2),
                          ("column slices of one matrix", list(packed.split(PER_B_MIN_COLUMNS, dim=1)))):
-            programs = (state.issued.program[0], state.issued.graph[0])
             for j in range(3):
-                for got, w in zip(torch_tdist.ops.all_gather_matmul(a, bs, group=og), bs):
+                with _launches_of(pipelined, "all_gather_matmul", lambda args: len(args[2])) as operands:
+                    outs = torch_tdist.ops.all_gather_matmul(a, bs, group=og)
+                for got, w in zip(outs, bs):
                     _relative(f"{label} all_gather_matmul, {kind}, call {j}", got, a_full @ w.float())
-            _checked += 1
-            if (state.issued.program[0], state.issued.graph[0]) != programs:
-                _failures.append(f"{label} all_gather_matmul, {kind}: replayed a recorded program")
+                _checked += 1
+                if j == 0 and operands != ([] if label == "sequential" else [1]):
+                    _failures.append(f"{label} all_gather_matmul, {kind}: the pipelined way multiplied by "
+                                     f"{operands} Bs a call, expected them side by side")
         # a stride it was not recorded for: the Python path, still right
         before = (list(state.issued.sequential), list(state.issued.program), list(state.issued.graph))
         b_cols = b.t().contiguous().t()

@@ -37,6 +37,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 
 from .backend import is_tdist_group
+from .overlap import custom_ops
 from .overlap.custom_ops import DTYPES, with_strides
 from .overlap.custom_ops import group_by_name as _resolve_group
 
@@ -182,7 +183,7 @@ class _PrepareForMicroPipeline(CustomGraphPass):
         _join_summed_matmuls(graph)
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, custom_ops.__file__))  # (DTYPES decides what it rewrites)
 
 
 def _fused_here(group_name) -> bool:

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..backend import _tdist_backend
 from ..compat import all_gather_single, funcol_reduce_scatter, reduce_scatter_single
 from . import fused, pipelined, tuning
+from .replay import interleaved
 from .state import state_of
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -218,7 +219,7 @@ def _overlapped_all_gather_matmul(a_shard: Tensor, bs: list[Tensor], backend, st
     a = _as_rows(a_shard, dim)
     kind, setting = way
     widths, rows = [b.shape[1] for b in bs], world * a.shape[0]
-    if kind == "pipelined" and min(widths) >= PER_B_MIN_COLUMNS:
+    if kind == "pipelined" and min(widths) >= PER_B_MIN_COLUMNS and not interleaved(bs):  # (replay.recorded)
         operands, outs = list(bs), [a.new_empty((rows, w)) for w in widths]
     else:
         operands, outs = [_side_by_side(bs)], [a.new_empty((rows, sum(widths)))]

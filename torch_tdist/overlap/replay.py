@@ -30,6 +30,20 @@ def _fp32_matmul_precision() -> str:
     return precision if precision != "none" else torch.backends.fp32_precision
 
 
+def footprint(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (its strides' reach)."""
+    if not t.numel():
+        return 0
+    return (1 + sum((size - 1) * step for size, step in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def interleaved(tensors: list[torch.Tensor]) -> bool:
+    """Whether the memory two of ``tensors`` reach (``footprint``) overlaps."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + footprint(t)) for t in tensors if t.numel())
+    # (sorted by start, an overlap shows between neighbours)
+    return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 class ProgramReplay:
     """One group's recorded programs, their CUDA graphs and the scratch memory they use."""
 
@@ -99,7 +113,11 @@ class ProgramReplay:
             self.last = (program, roles)
             return
         streams = executor.bulk.streams
-        record = program is None and executor.heap.device.type == "cuda" and not executor.checks_calls
+        # (roles whose memory interleaves, as the same B twice, would bind an address to the first
+        # of them, which another call's tensors need not share: such a call is not recorded, and
+        # the next of its key may be)
+        record = program is None and executor.heap.device.type == "cuda" and not executor.checks_calls \
+            and not interleaved(roles)
         streams.recording = [] if record else None
         try:
             calls()
@@ -168,13 +186,7 @@ class ProgramReplay:
 
         executor = self.executor
         heap = executor.heap
-        extents = [(t.data_ptr(), t.numel() * t.element_size(), t.dtype) for t in roles]
-        # roles whose memory interleaves (the same B twice, column slices of one weight) would leave
-        # an address to the first of them, which another call's tensors need not share: not recorded
-        spans = sorted((t.data_ptr(), t.data_ptr() + (1 + sum((n - 1) * step for n, step in zip(t.shape, t.stride())))
-                        * t.element_size()) for t in roles if t.numel())
-        if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
-            return None
+        extents = [(t.data_ptr(), footprint(t), t.dtype) for t in roles]  # (apart: recorded only then)
         lasting = {heap.ctx.data_ptr()}
 
         def locate(address: int, dtype=None):
