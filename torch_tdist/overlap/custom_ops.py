@@ -271,7 +271,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad_a = None
         if used:  # sum_i grad_i @ b_i^T, scattered back: the other op
             grad_a = torch.ops.tdist.matmul_reduce_scatter(
-                torch.cat([g for g, _ in used], dim=-1), torch.cat([b.t() for _, b in used], dim=0),
+                torch.cat([g for g, _ in used], dim=-1), _side_by_side([b for _, b in used]).t(),
                 ctx.group_name, dim, "sum")
         if ctx.return_a and grad_a_full is not None:
             extra = funcol_reduce_scatter(grad_a_full.contiguous(), "sum", dim, ctx.group_name)
