@@ -8,7 +8,7 @@ result by the general path.
 
     torchrun --nproc-per-node 2 -m tests.gpu_bad_input
 
-Run by ``tests/test_gpu.py``. The default group is tdist, tensors are made on this rank's GPU.
+On one GPU, the cases that need another GPU or another rank print "not checked". Run by ``tests/test_gpu.py``. The default group is tdist, tensors are made on this rank's GPU.
 Every rank makes the same bad call; each must raise on every rank within seconds, with a
 ValueError or TypeError whose message says "tdist" and names the op (calls tdist hands to
 NCCL may raise NCCL's error instead). Afterwards the group must still compute correctly.
@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 import torch_tdist  # noqa: E402,F401
 from torch_tdist.compat import all_gather_single  # noqa: E402
+from torch_tdist.overlap.custom_ops import PER_B_MIN_COLUMNS  # noqa: E402
 from tests import jobs_bad_input as J  # noqa: E402
 from tests.gpu_checks import report_and_exit  # noqa: E402
 
@@ -59,9 +60,11 @@ def _expect_error(name, call, ops, types=VALIDATION):
 def _fused_after_first_call(group, world, other) -> dict:
     """torch_tdist.ops calls whose signature ran before (so that C++ issues it,
     csrc/fused_calls.cpp) varied in one thing: name -> (call, ops its error names, error types),
-    or (check, None): a call that must not reuse the signature's plan and must compute the right
-    result (``check()`` returns what went wrong, or None), against a reference made here from
-    every rank's inputs (regenerated from their seeds)."""
+    or (check, None): a call that must compute the right result (``check()`` returns what went
+    wrong, or None), against a reference made here from every rank's inputs (regenerated from
+    their seeds), not reusing the signature's plan, or (the same B twice, whose signature two
+    distinct Bs recorded) reusing it with one address in two roles that are only read.
+    ``other``: another GPU, or None where there is none."""
     m, k, n = 64 * world, 256, 128
 
     def inputs(r):
@@ -72,10 +75,13 @@ def _fused_after_first_call(group, world, other) -> dict:
     everyone = [inputs(r) for r in range(world)]
     rank = dist.get_rank()
     a, rs_a, b = everyone[rank]
+    gen = torch.Generator("cuda").manual_seed(70 + rank)  # (wide Bs, multiplied one by one when pipelined)
+    wide = [torch.randn(PER_B_MIN_COLUMNS, k, generator=gen).to(torch.bfloat16).t() for _ in range(2)]
     ops = torch_tdist.ops
     for _ in range(3):  # (the first runs in Python, the later ones are issued from C++)
         ops.all_gather_matmul(a, b, group=group)
         ops.matmul_reduce_scatter(rs_a, b, group=group)
+        ops.all_gather_matmul(a, wide, group=group)
     issued = torch_tdist.overlap.state(group).issued
     for i, op in enumerate(("all_gather_matmul", "matmul_reduce_scatter")):
         if not issued.sequential[i] + issued.program[i] + issued.graph[i]:
@@ -103,12 +109,17 @@ def _fused_after_first_call(group, world, other) -> dict:
         del extra
         return right("new tensors", got, gathered(lambda x, *_: x * 2) @ b.float())
 
+    def same_b_twice():  # the signature of two distinct wide Bs, one B in both places
+        got = ops.all_gather_matmul(a, [wide[0], wide[0]], group=group)
+        want = gathered(lambda x, *_: x) @ wide[0].float()
+        return right("the same B twice", got[0], want) or right("the same B twice (second)", got[1], want)
+
     def strided():  # B column-major: a new stride
         got = ops.matmul_reduce_scatter(rs_a, b.t().contiguous().t(), group=group)
         total = sum(x.float() @ w.float() for _, x, w in everyone)
         return right("B column-major", got, total.chunk(world)[rank])
 
-    return {
+    cases = {
         "A float64": (lambda: ops.all_gather_matmul(a.double(), b, group=group), ["all_gather_matmul"]),
         "B float16": (lambda: ops.matmul_reduce_scatter(rs_a, b.half(), group=group), ["matmul_reduce_scatter"]),
         "B with another K": (lambda: ops.all_gather_matmul(a, b[:-8], group=group), ["all_gather_matmul"]),
@@ -117,9 +128,15 @@ def _fused_after_first_call(group, world, other) -> dict:
         "A on another GPU": (lambda: ops.all_gather_matmul(a.to(other), b.to(other), group=group),
                              ["all_gather_matmul", "all_gather_into_tensor"]),
         "new tensors": (new_tensors, None),
+        "the same B twice": (same_b_twice, None),
         "B column-major": (strided, None),
         "A resized in place": (resized, None),  # (last: it changes A)
     }
+    if other is None:
+        del cases["A on another GPU"]
+    if world == 1:  # (every row count divides)
+        del cases["rows the group does not divide"]
+    return cases
 
 
 def main():
@@ -141,12 +158,14 @@ def main():
         failures += [problem] if problem else []
         print(f"rank {rank}: {case:<32} {'ok' if not problem else 'FAILED'}", flush=True)
 
-    other = torch.device("cuda", (local + 1) % torch.cuda.device_count())
-    extra = {
+    other = torch.device("cuda", (local + 1) % torch.cuda.device_count()) if torch.cuda.device_count() > 1 else None
+    extra = {} if other is None else {
         "input on another GPU": (lambda: dist.all_reduce(torch.ones(1024, device=other)), ["all_reduce"]),
         "output on another GPU": (lambda: all_gather_single(
             torch.empty(1024 * world, device=other), torch.ones(1024)), ["all_gather_into_tensor"]),
     }
+    if other is None:
+        print(f"rank {rank}: tensors on another GPU: not checked (one GPU)", flush=True)
     os.environ["TDIST_HEAP_SIZE"] = "1M"
     os.environ["TDIST_ALGORITHM"] = "oneshot"  # no size handed to NCCL
     small = dist.new_group(backend="tdist")
@@ -184,7 +203,9 @@ def main():
     os.environ["TDIST_CHECK_CALLS"] = "1"
     compared = dist.new_group(backend="tdist")
     del os.environ["TDIST_CHECK_CALLS"]
-    for case in (c for c, expected in ONE_RANK.items() if expected == "rejected"):
+    if world == 1:
+        print(f"rank {rank}: arguments only rank 0 can tell are wrong: not checked (one rank)", flush=True)
+    for case in (c for c, expected in ONE_RANK.items() if expected == "rejected" and world > 1):
         checked += 1
         outcome = J.one_rank_rejects_then_recover(rank, world, case, 1234, group=compared)
         problem = None

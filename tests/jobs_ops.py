@@ -198,18 +198,22 @@ def bad_input(rank, ws, case):
 
 def tuned_choices(rank, ws, seed):
     """Two calls of each op on a TDIST_OVERLAP=tune group, each checked against references
-    (all_gather_matmul with two B widths, the same on every rank: q/k/v's and an MLP's); returns
-    what the group chose per shape class, and how many overlapped calls the second calls made."""
+    (all_gather_matmul with two B widths, the same on every rank: q/k/v's and an MLP's, and with
+    two Bs as wide together as the first); returns what the group chose per shape class, and how
+    many overlapped calls the second calls made."""
     chk = Checker(rank, "tuned ops")
     state = torch_tdist.overlap.state()
     m, k, n = 20, 24, 18
     a_full = _operand([ws * m, k], torch.float32, seed, 1)
     bs = [_operand([k, width], torch.float32, seed, 2 + rank) for width in (n, 7)]
+    pair = [_operand([k, width], torch.float32, seed, 5 + rank + 7 * i) for i, width in enumerate((11, n - 11))]
     for _ in range(2):
         before = sum(state.fused_calls.values())
         for b in bs:
             chk.products_close(torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], b),
                    a_full.double() @ b.double(), f"all_gather_matmul n={b.shape[1]}")
+        for got, b in zip(torch_tdist.ops.all_gather_matmul(a_full.chunk(ws)[rank], pair), pair):
+            chk.products_close(got, a_full.double() @ b.double(), f"all_gather_matmul of two Bs, n={b.shape[1]}")
         parts = {r: _operand([ws * m, k], torch.float32, seed, 10 + r) for r in range(ws)}
         weights = {r: _operand([k, n], torch.float32, seed, 20 + r) for r in range(ws)}
         total = sum(parts[r].double() @ weights[r].double() for r in range(ws))

@@ -32,7 +32,8 @@ TORCH_PATH_HAS_SPACE = any(c.isspace() for c in os.path.dirname(torch.__file__))
 @pytest.mark.skipif(TORCH_PATH_HAS_SPACE, reason="torch is installed under a path with a space, where "
                     "Inductor's CPU kernels fail to link (torch's C++ build does not quote the path)")
 @ws_param([2])
-@pytest.mark.parametrize("batch,prepared", [(1, True), (2, False)], ids=["batch1-input-prepared", "batch2"])
+@pytest.mark.parametrize("batch,prepared", [(1, True), (1, False), (2, False)],
+                         ids=["batch1-input-prepared", "batch1", "batch2"])
 def test_compiled_mlp_runs_tdist_ops(pool, seed, batch, prepared):
     """Batch 1 gathers reach Inductor in another form (async_tp._restore_gather_dims); an input
     prepared once for w1 and w3 (torchtitan's plan) makes the backward scatter a sum of matmuls

@@ -171,7 +171,8 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     """TDIST_OVERLAP=tune: a shape class's first call times the sequential path, the pipelined
     way and the fused kernels on every rank; all ranks keep the same choice, and the second call
     uses it without timing again (at most one overlapped call per call); every call's result is
-    right. all_gather_matmul's B widths are tuned apart, unless they differ between ranks."""
+    right. all_gather_matmul's B widths, and its counts of Bs, are tuned apart, unless the widths
+    differ between ranks."""
     pool = RankPool(world_size, backend_under_test(), name=f"RankPool(ws={world_size}, tune)",
                     env={"TDIST_OVERLAP": "tune"})
     try:
@@ -180,9 +181,9 @@ def test_tuned_ops_choose_the_same_way_on_every_rank(world_size, seed):
     finally:
         pool.shutdown()
     choices = results[0][0]
-    assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'"] * 2 + ["('matmul_reduce_scatter'"], choices
-    assert [key.split(", ")[-1] for key, _ in choices[:2]] == ["18)", "7)"], choices
-    uneven_class = "('all_gather_matmul', torch.float32, 16, 12)"  # tuned once, with no width
+    assert [key.split(",")[0] for key, _ in choices] == ["('all_gather_matmul'"] * 3 + ["('matmul_reduce_scatter'"], choices
+    assert [key.split(", ")[-2:] for key, _ in choices[:3]] == [["1", "18)"], ["1", "7)"], ["2", "18)"]], choices
+    uneven_class = "('all_gather_matmul', torch.float32, 16, 12, 1)"  # tuned once, with no width
     assert all(u == ([uneven_class], [uneven_class]) for u in uneven), uneven
     assert all(way in ("sequential", "pipelined 2", "fused 0") for _, way in choices), choices
     assert all(r[0] == choices for r in results), f"ranks chose differently: {results}"

@@ -181,8 +181,9 @@ def all_gather_matmul_impl(a_shard: Tensor, bs: list[Tensor], group_name: str, g
         served.append(way if result is not None else None)
         return result
     state.replays.last = None
-    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks)
-    key = ("all_gather_matmul", a_shard.dtype, tuning.rows_class(a_shard), a_shard.shape[-1])
+    # (only sizes every rank shares: whether a shape is tuned yet must agree across ranks; the
+    # count of Bs, since several wide Bs run one by one and one B of their total width does not)
+    key = ("all_gather_matmul", a_shard.dtype, tuning.rows_class(a_shard), a_shard.shape[-1], len(bs))
     result = tuning.run(group, state, key, sequential, overlapped, width=sum(b.shape[-1] for b in bs))
     _remember(group, backend, state, "all_gather_matmul", served, a_shard, bs, dim, int(return_a))
     return result
