@@ -197,7 +197,9 @@ def specialisations():
                             "PUSHERS": pushers}
     for dt, pushers, config in [("bf16", 48, GEMM_CONFIGS[0]), ("fp32", 0, GEMM_CONFIGS[0])] + [
             ("bf16", 0, c) for c in GEMM_CONFIGS]:
-        tiles = {key: config[key] for key in ("BM", "BN", "BK")}
+        tiles = {key: config[key] for key in ("BM", "BN", "BK", "GROUP_M")}
+        if dt == "fp32":  # (overlap.fused._sized)
+            tiles["BK"] //= 2
         options = {"num_warps": 8, "num_stages": config["num_stages"]}
         yield overlap.ag_gemm_kernel, {
             "ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64", "ready": "*i64",
@@ -206,7 +208,7 @@ def specialisations():
             "push_src": f"*{dt}", "push_stride": "i64", "push_len": "i64", "push_limit": "i64",
             "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr",
             "BK": "constexpr", "BLOCK": "constexpr", "ALIGN": "constexpr", "PUSHERS": "constexpr",
-            "IEEE": "constexpr", "UPCAST": "constexpr"}, {
+            "IEEE": "constexpr", "UPCAST": "constexpr", "GROUP_M": "constexpr"}, {
                 "ME": 1, "WORLD": 4, "KMAX": 64, **tiles, "BLOCK": 8192, "ALIGN": 8 if dt == "bf16" else 4,
                 "PUSHERS": pushers, "IEEE": dt == "fp32", "UPCAST": False}, options
         if pushers:  # (the matmul + reduce_scatter has none: this one is the next one's)
@@ -216,7 +218,7 @@ def specialisations():
             "ready": "*i64", "counters": "*i64", "m": "i32", "row0": "i32", "m_shard": "i32", "N": "i32",
             "K": "i32", "stride_am": "i64", "stride_ak": "i64", "stride_bk": "i64", "stride_bn": "i64",
             "ME": "constexpr", "WORLD": "constexpr", "KMAX": "constexpr", "BM": "constexpr", "BN": "constexpr",
-            "BK": "constexpr", "IEEE": "constexpr", "UPCAST": "constexpr"}, {
+            "BK": "constexpr", "IEEE": "constexpr", "UPCAST": "constexpr", "GROUP_M": "constexpr"}, {
                 "ME": 2, "WORLD": 4, "KMAX": 64, **tiles, "IEEE": dt == "fp32", "UPCAST": False}, options
     for world, me in ((2, 1), (4, 2)):
         for value in ("i64", "constexpr"):  # a signature; 1 (Triton makes an int of 1 a constant)

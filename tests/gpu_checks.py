@@ -25,7 +25,7 @@ import torch_tdist  # noqa: E402
 from torch_tdist import overlap  # noqa: E402
 from torch_tdist.collectives import GPU_SIZE_LIMITS  # noqa: E402
 from torch_tdist.compat import all_gather_single, reduce_scatter_single  # noqa: E402
-from torch_tdist.overlap import pipelined  # noqa: E402
+from torch_tdist.overlap import fused, pipelined  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.uint8)
@@ -763,6 +763,37 @@ def fused_ops(tg, rank, world, device, gen):
         print(f"fused_ops: tuning chose {overlap.state(tuned).tuning.tuned}", flush=True)
 
 
+def fused_tile_configs(tg, rank, world, device, gen):
+    """The fused kernels in every tile config (overlap.fused.GEMM_CONFIGS: tile shapes, stages,
+    grouped tile orders) and dtype, called directly (not tuned), against NCCL + torch.matmul in
+    float64: 1100 rows a rank (9 row blocks of 128: a group of 8 and a short one), widths that
+    leave part tiles. Relative error <= 1e-2 (16 bits), 1e-5 (float32, IEEE products)."""
+    state = overlap.state(_tdist_group({"overlap": "fused"}))
+    m, k, n = 1100, 320, 600
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        a = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, k, device=device, generator=gen).to(dtype).t()  # (as nn.Linear weights come)
+        a_full = torch.empty(world * m, k, device=device, dtype=torch.float64)
+        all_gather_single(a_full, a.double())
+        a2 = torch.randn(world * m, k, device=device, generator=gen).to(dtype)
+        want = torch.empty(m, n, device=device, dtype=torch.float64)
+        reduce_scatter_single(want, a2.double() @ b.double())
+        for i, tiles in enumerate(fused.GEMM_CONFIGS):
+            label = f"fused_tile_configs {dtype} config {i}"
+            out, a_out = a.new_empty(world * m, n), a.new_empty(world * m, k)
+            if not fused.all_gather_matmul(state, a, [b], [out], a_out, tiles):
+                _failures.append(f"{label}: all_gather_matmul did not run")
+                continue
+            _relative(f"{label} all_gather_matmul", out, a_full @ b.double(), tolerance)
+            _check(f"{label} all_gather_matmul's gathered A", a_out, a_full.to(dtype))
+            out2 = a.new_empty(m, n)
+            if not fused.matmul_reduce_scatter(state, a2, b, out2, "sum", tiles):
+                _failures.append(f"{label}: matmul_reduce_scatter did not run")
+                continue
+            _relative(f"{label} matmul_reduce_scatter", out2, want, tolerance)
+
+
 def _in_turn(side, first, then):
     """``first()`` on the stream ``side`` after about 10 ms of GPU sleep there, then ``then()`` on
     the caller's stream at once, no synchronisation between them; waits for ``first``'s Work (if
@@ -1276,7 +1307,7 @@ NVSHMEM = os.environ.get("TDIST_TRANSPORT") == "nvshmem"
 _ran = set()  # the checks that ran to their end
 CHECKS = [every_op, uneven_all_to_all, uneven_all_to_all_in_turns, subgroups, dtensor, async_overlap, stream_changes, captured_stream_changes,
           graph_replay, bulk_path,
-          streamed_path, twoshot_path, multi_round_plans, lowlatency_path, served_by_tdist, fused_ops, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
+          streamed_path, twoshot_path, multi_round_plans, lowlatency_path, served_by_tdist, fused_ops, fused_tile_configs, fused_after_async, fallback_in_order, pipelined_graphs, pipelined_back_to_back,
           pipelined_in_user_graph, pipelined_tf32_switch, fused_issued_from_cpp, sync_calls_keep_no_tensors,
           shmem_calls, hierarchical, moe_example, symm_mem_coexists]
 

@@ -5,7 +5,7 @@
 ``s``'s shard, flag ``ready + s * KMAX + k`` rises when its chunk ``k`` has landed). The GEMM's
 persistent programs take output tiles shard by shard, this rank's own shard first, then the
 others in rank order from it (the order they are likely to land in), and wait only for the chunks
-a tile's rows live in. With ``PUSHERS``, the kernel's first programs push this rank's shard to
+a tile's rows live in. Within a shard, tiles go in groups of ``GROUP_M`` row blocks (``_tile``). With ``PUSHERS``, the kernel's first programs push this rank's shard to
 its peers (``bulk._pushers_first``).
 
 ``gemm_rs_kernel``: the partial products of matmul + reduce-scatter, made in the order of the rank
@@ -34,11 +34,22 @@ def _mma(acc, a_tile, b_tile, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @tdl.jit
+def _tile(t, row_blocks, col_blocks, GROUP_M: tl.constexpr):
+    """(row block, column block) of tile ``t`` of a [row_blocks, col_blocks] grid, in groups of
+    ``GROUP_M`` row blocks taken column by column, so that the tiles running at once share rows
+    of A and columns of B in L2 (``GROUP_M`` 1: row by row)."""
+    per_group = GROUP_M * col_blocks
+    first = (t // per_group) * GROUP_M
+    height = tl.minimum(row_blocks - first, GROUP_M)
+    return first + (t % per_group) % height, (t % per_group) // height
+
+
+@tdl.jit
 def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, row0, m_shard, N, K, stride_bk, stride_bn,
                    chunk, n_chunks, push_src, push_stride, push_len, push_limit,
                    ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                   PUSHERS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                   PUSHERS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr):
     """One round: rows ``[row0, row0 + m)`` of every rank's shard of A (``m_shard`` rows each;
     ``own`` for this rank, ``slots + s * slot_stride`` for rank ``s``, each contiguous [m, K]) times
     ``b`` [K, N] go to rows ``s * m_shard + row0 + i`` of ``c`` [WORLD * m_shard, N]
@@ -54,8 +65,7 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, row0, m_
         offs_k = tl.arange(0, BK)
         for t in range(pid, WORLD * per_shard, nprog):
             s = (ME + t // per_shard) % WORLD
-            rb = (t % per_shard) // col_blocks
-            cb = t % col_blocks
+            rb, cb = _tile(t % per_shard, row_blocks, col_blocks, GROUP_M)
             rows = rb * BM + tl.arange(0, BM)
             cols = cb * BN + tl.arange(0, BN)
             if s == ME:
@@ -95,7 +105,7 @@ def ag_gemm_kernel(ctx, own, slots, slot_stride, ready, b, c, a_out, m, row0, m_
 def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, row0, m_shard, N, K, stride_am, stride_ak,
                    stride_bk, stride_bn, ME: tl.constexpr, WORLD: tl.constexpr, KMAX: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, GROUP_M: tl.constexpr):
     """One round: rows ``[d * m_shard + row0, d * m_shard + row0 + m)`` of ``a`` [WORLD *
     m_shard, K] @ ``b`` [K, N] go to rank ``d``'s slot ``ME`` (``slots + ME * slot_stride``
     there, row-major [m, N]). Row block ``rb`` (``BM``
@@ -109,8 +119,7 @@ def gemm_rs_kernel(ctx, a, b, slots, slot_stride, ready, counters, m, row0, m_sh
     mine = slots + ME * slot_stride.to(tl.int64)
     for t in range(tl.program_id(0), WORLD * per_rank, tl.num_programs(0)):
         d = (ME + 1 + t // per_rank) % WORLD
-        rb = (t % per_rank) // col_blocks
-        cb = t % col_blocks
+        rb, cb = _tile(t % per_rank, row_blocks, col_blocks, GROUP_M)
         rows = rb * BM + tl.arange(0, BM)
         cols = cb * BN + tl.arange(0, BN)
         a_rows = (d * m_shard + row0 + rows)[:, None].to(tl.int64)
