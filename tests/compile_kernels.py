@@ -63,6 +63,7 @@ def _as_on_amd(archs: list) -> None:
 
 _as_on_amd(sys.argv[1:])  # (the targets main() is given)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -70,7 +71,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from torch_tdist import language as tdl  # noqa: E402
 from torch_tdist.collectives import ONESHOT_TILE_BYTES  # noqa: E402
-from torch_tdist.overlap.fused import GEMM_CONFIGS  # noqa: E402
+from torch_tdist.overlap.fused import GEMM_CONFIGS, _sized  # noqa: E402
 from torch_tdist.triton_kernels import bulk, lowlatency, oneshot, overlap, staged, streamed, twoshot  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64", "i32", "i64", "u8")
@@ -195,11 +196,10 @@ def specialisations():
                         "PUSHERS": "constexpr"}, {
                             "ME": me, "WORLD": world, "KMAX": 64, "BLOCK": 8192, "ALIGN": align,
                             "PUSHERS": pushers}
-    for dt, pushers, config in [("bf16", 48, GEMM_CONFIGS[0]), ("fp32", 0, GEMM_CONFIGS[0])] + [
-            ("bf16", 0, c) for c in GEMM_CONFIGS]:
-        tiles = {key: config[key] for key in ("BM", "BN", "BK", "GROUP_M")}
-        if dt == "fp32":  # (overlap.fused._sized)
-            tiles["BK"] //= 2
+    for dt, pushers, config in [("bf16", 48, GEMM_CONFIGS[0])] + [
+            (dt, 0, c) for dt in ("fp32", "bf16") for c in GEMM_CONFIGS]:
+        sized = _sized(config, {"bf16": torch.bfloat16, "fp32": torch.float32}[dt])
+        tiles = {key: sized[key] for key in ("BM", "BN", "BK", "GROUP_M")}
         options = {"num_warps": 8, "num_stages": config["num_stages"]}
         yield overlap.ag_gemm_kernel, {
             "ctx": "*i64", "own": f"*{dt}", "slots": f"*{dt}", "slot_stride": "i64", "ready": "*i64",

@@ -8,8 +8,9 @@ result by the general path.
 
     torchrun --nproc-per-node 2 -m tests.gpu_bad_input
 
-On one GPU, the cases that need another GPU or another rank print "not checked". Run by ``tests/test_gpu.py``. The default group is tdist, tensors are made on this rank's GPU.
-Every rank makes the same bad call; each must raise on every rank within seconds, with a
+On one GPU, the cases that need another GPU or another rank print "not checked". Run by
+``tests/test_gpu.py``. The default group is tdist, tensors are made on this rank's GPU. Every
+rank makes the same bad call; each must raise on every rank within seconds, with a
 ValueError or TypeError whose message says "tdist" and names the op (calls tdist hands to
 NCCL may raise NCCL's error instead). Afterwards the group must still compute correctly.
 Prints one line per case; exits non-zero if any failed.
@@ -110,7 +111,10 @@ def _fused_after_first_call(group, world, other) -> dict:
         return right("new tensors", got, gathered(lambda x, *_: x * 2) @ b.float())
 
     def same_b_twice():  # the signature of two distinct wide Bs, one B in both places
+        before = issued.sequential[0] + issued.program[0] + issued.graph[0]
         got = ops.all_gather_matmul(a, [wide[0], wide[0]], group=group)
+        if issued.sequential[0] + issued.program[0] + issued.graph[0] != before + 1:
+            return "the same B twice: not issued from C++ (the signature two Bs recorded)"
         want = gathered(lambda x, *_: x) @ wide[0].float()
         return right("the same B twice", got[0], want) or right("the same B twice (second)", got[1], want)
 
@@ -136,6 +140,7 @@ def _fused_after_first_call(group, world, other) -> dict:
         del cases["A on another GPU"]
     if world == 1:  # (every row count divides)
         del cases["rows the group does not divide"]
+        print(f"rank {rank}: rows the group does not divide: not checked (one rank)", flush=True)
     return cases
 
 
@@ -151,7 +156,10 @@ def main():
 
     failures, checked = [], 0
     for case, (ops, types, sizes) in EXPECT.items():
-        if case in NOT_ON_GPU or world not in sizes:
+        if case in NOT_ON_GPU:
+            continue
+        if world not in sizes:
+            print(f"rank {rank}: {case:<32} not checked ({world} ranks)", flush=True)
             continue
         checked += 1
         problem = _expect_error(case, lambda: J.CASES[case](world), ops, types)

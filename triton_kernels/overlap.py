@@ -5,7 +5,8 @@
 ``s``'s shard, flag ``ready + s * KMAX + k`` rises when its chunk ``k`` has landed). The GEMM's
 persistent programs take output tiles shard by shard, this rank's own shard first, then the
 others in rank order from it (the order they are likely to land in), and wait only for the chunks
-a tile's rows live in. Within a shard, tiles go in groups of ``GROUP_M`` row blocks (``_tile``). With ``PUSHERS``, the kernel's first programs push this rank's shard to
+a tile's rows live in. Within a shard, tiles go in groups of ``GROUP_M`` row blocks
+(``_tile``). With ``PUSHERS``, the kernel's first programs push this rank's shard to
 its peers (``bulk._pushers_first``).
 
 ``gemm_rs_kernel``: the partial products of matmul + reduce-scatter, made in the order of the rank

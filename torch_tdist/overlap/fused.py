@@ -16,7 +16,7 @@ from ..triton_kernels import overlap as kernels
 # interpreter (GROUP_M 2, so that grouped tile orders run there); on GPUs H100/H200 bf16 shapes.
 # GROUP_M (triton_kernels/overlap.py, _tile): row blocks a group of tiles spans, so that the
 # tiles running at once share A's rows and B's columns in L2. The kernels alone on one H200
-# (a group of one), TP=4 layers of Llama-3 at 8192 rows, us, 128x256 tiles in rows (GROUP_M 1)
+# (one rank), TP=4 layers of Llama-3 at 8192 rows, us, 128x256 tiles in rows (GROUP_M 1)
 # against groups of 8: 70B gate/up 3212 -> 2773 (cuBLAS 2374), 8B q/k/v 265 -> 193 (131),
 # 70B MLP down projection 1464 -> 1388 (1204); 70B q/k/v 543 -> 627 (418), hence the third.
 # 128x128 tiles in 4 stages win at 2048 rows of 70B q/k/v (227 us against 267); 256x128 tiles
