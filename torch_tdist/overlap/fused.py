@@ -30,8 +30,8 @@ GEMM_PROGRAMS = 1 if language.INTERPRET else 132  # persistent, one per H200 SM
 
 def _sized(tiles: dict, dtype: torch.dtype) -> dict:
     """``tiles`` for ``dtype``: on GPUs, 4-byte elements take half the K of a tile, so that a
-    stage's tiles take the shared memory they do in 16 bits (128x256 tiles of float32 in three
-    stages of K 64 need 288 KB; an H200 SM has 228)."""
+    stage of float32 tiles takes the shared memory a stage of 16-bit ones does (the configs are
+    sized for those)."""
     if language.INTERPRET or dtype.itemsize < 4:
         return tiles
     return {**tiles, "BK": tiles["BK"] // 2}
