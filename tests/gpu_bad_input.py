@@ -84,8 +84,12 @@ def _fused_after_first_call(group, world, other) -> dict:
         ops.matmul_reduce_scatter(rs_a, b, group=group)
         ops.all_gather_matmul(a, wide, group=group)
     issued = torch_tdist.overlap.state(group).issued
+
+    def from_cpp(i):  # calls of op i (all_gather_matmul, matmul_reduce_scatter) C++ issued
+        return issued.sequential[i] + issued.program[i] + issued.graph[i]
+
     for i, op in enumerate(("all_gather_matmul", "matmul_reduce_scatter")):
-        if not issued.sequential[i] + issued.program[i] + issued.graph[i]:
+        if not from_cpp(i):
             raise AssertionError(f"no {op} call was issued from C++: the cases below would test nothing")
 
     def right(name, got, want):
@@ -111,9 +115,9 @@ def _fused_after_first_call(group, world, other) -> dict:
         return right("new tensors", got, gathered(lambda x, *_: x * 2) @ b.float())
 
     def same_b_twice():  # the signature of two distinct wide Bs, one B in both places
-        before = issued.sequential[0] + issued.program[0] + issued.graph[0]
+        before = from_cpp(0)
         got = ops.all_gather_matmul(a, [wide[0], wide[0]], group=group)
-        if issued.sequential[0] + issued.program[0] + issued.graph[0] != before + 1:
+        if from_cpp(0) != before + 1:
             return "the same B twice: not issued from C++ (the signature two Bs recorded)"
         want = gathered(lambda x, *_: x) @ wide[0].float()
         return right("the same B twice", got[0], want) or right("the same B twice (second)", got[1], want)

@@ -912,6 +912,11 @@ def pipelined_graphs(tg, rank, world, device, gen):
         _failures.append(f"pipelined_graphs: {state.replays.graph_calls} calls replayed as graphs, expected {2 * (calls - 2)}")
 
 
+def _operand_count(args) -> int:
+    """How many Bs a call of pipelined.all_gather_matmul(state, a, bs, ...) multiplies by."""
+    return len(args[2])
+
+
 def fused_issued_from_cpp(tg, rank, world, device, gen):
     """Calls of torch_tdist.ops issued from C++ (csrc/fused_calls.cpp) after their signature's
     first call ran in Python: on the same inputs, every later call is bit for bit the first
@@ -950,7 +955,7 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
         for op, call in ops.items():
             i = 1 if op == "matmul_reduce_scatter" else 0
             overlapped = state.fused_calls["all_gather_matmul"]
-            with _launches_of(pipelined, "all_gather_matmul", lambda args: len(args[2])) as operands:
+            with _launches_of(pipelined, "all_gather_matmul", _operand_count) as operands:
                 first = call()  # through Python
             if op in (f"all_gather_matmul, {kind} Bs" for kind in weights):
                 _checked += 1
@@ -984,7 +989,7 @@ def fused_issued_from_cpp(tg, rank, world, device, gen):
         for kind, bs in (("the same B twice", [weights["wide"][0]] * 2),
                          ("column slices of one matrix", list(packed.split(PER_B_MIN_COLUMNS, dim=1)))):
             for j in range(3):
-                with _launches_of(pipelined, "all_gather_matmul", lambda args: len(args[2])) as operands:
+                with _launches_of(pipelined, "all_gather_matmul", _operand_count) as operands:
                     outs = torch_tdist.ops.all_gather_matmul(a, bs, group=og)
                 for got, w in zip(outs, bs):
                     _relative(f"{label} all_gather_matmul, {kind}, call {j}", got, a_full @ w.float())
